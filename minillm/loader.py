@@ -155,6 +155,8 @@ def random_model(cfg: ModelConfig, device=None, dtype=None, seed: int = 0,
     device = torch.device(device or default_device())
     dtype = dtype or default_dtype(device)
     model = _empty_model(cfg, device, dtype)
+    if device.type == "meta":                                # shapes only, nothing to fill
+        return model.eval()
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -1,0 +1,70 @@
+"""Command line: `python -m minillm generate "prompt" [--model M] [--max-tokens N] [--temperature T]`.
+
+Streams the reply token by token. Instruct models (a tokenizer with a chat template) get the prompt
+wrapped as a user turn; `--raw` sends the text as it is.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .generate import generate_stream
+from .loader import BUNDLED, load_model
+from .sampling import SamplingParams
+
+
+def prompt_ids(tok, text: str, raw: bool = False) -> list[int]:
+    """Token ids of the prompt, wrapped as a user turn when the tokenizer has a chat template."""
+    if raw or not getattr(tok, "chat_template", None):
+        return tok.encode(text)
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                   add_generation_prompt=True)
+    return tok.encode(chat, add_special_tokens=False)     # the template already has its markers
+
+
+def cmd_generate(args) -> int:
+    model, tok = load_model(args.model, weights=args.weights, device=args.device)
+    if tok is None:
+        raise SystemExit(f"{args.model} has no tokenizer; the command line needs one")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    ids = prompt_ids(tok, args.prompt, args.raw)
+    new: list[int] = []
+    shown = ""
+    for token in generate_stream(model, tok, ids, args.max_tokens, params):
+        if token == tok.eos_token_id:
+            break
+        new.append(token)
+        text = tok.decode(new, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):                   # wait for a whole UTF-8 character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minillm")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream a completion for a prompt")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=BUNDLED, help="preset name or local checkpoint directory")
+    g.add_argument("--weights", default="pretrained", choices=["pretrained", "random"])
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default=None)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    args = parser.parse_args(argv)
+    try:
+        return cmd_generate(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

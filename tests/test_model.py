@@ -1,0 +1,174 @@
+"""The decoder against transformers' own implementation of the same weights (CPU, fp32)."""
+import pytest
+import torch
+import transformers
+
+import minillm
+from minillm import configs, kvmath
+from minillm.configs import ModelConfig
+from minillm.loader import bundled_checkpoint, load_state_dict, random_model, to_hf_config
+
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    model, tok = minillm.load_model("smollm2-135m", device="cpu")
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def hf_bundled():
+    # transformers loads the converted checkpoint itself: its own code, the same weights.
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(bundled_checkpoint()), dtype=torch.float32).eval()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):\n    ",
+           "Once upon a time, in a small village by the sea,"]
+
+
+def test_bundled_logits_match_transformers(bundled, hf_bundled):
+    model, tok = bundled
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            ours, ref = model(ids), hf_bundled(ids).logits
+        assert ours.shape == ref.shape == (1, ids.shape[1], model.config.vocab_size)
+        diff = (ours - ref).abs().max().item()
+        assert diff <= TOL, f"{prompt!r}: max |diff| {diff}"
+
+
+def test_bundled_batched_logits_match_transformers(bundled, hf_bundled):
+    model, _ = bundled
+    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model(ids) - hf_bundled(ids).logits).abs().max().item()
+    assert diff <= TOL
+
+
+def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundled):
+    model, tok = bundled
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            ref = hf_bundled.generate(ids, max_new_tokens=24, do_sample=False,
+                                      attention_mask=torch.ones_like(ids))
+        ref_new = ref[0, ids.shape[1]:].tolist()
+        cached = minillm.generate(model, tok, prompt, max_new_tokens=24)
+        recompute = minillm.generate_no_cache(model, tok, prompt, max_new_tokens=24)
+        assert cached == ref_new, prompt
+        assert recompute == cached, prompt
+
+
+def _hf_model(cfg: ModelConfig, seed: int):
+    """transformers' model for `cfg` with weights large enough that a mistake shows in the logits."""
+    torch.manual_seed(seed)
+    hf_cfg = to_hf_config(cfg)
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "mistral": transformers.MistralForCausalLM}[cfg.arch]
+    hf = cls(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.copy_(0.15 * torch.randn_like(p))
+    return hf
+
+
+TINY = [
+    # MHA, head_dim 32
+    ModelConfig(name="tiny-mha", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                num_heads=4, num_kv_heads=4, head_dim=32, max_position_embeddings=256),
+    # GQA 3:1 (SmolLM2's ratio), head_dim 16, Llama-3 rope scaling, tied embeddings
+    ModelConfig(name="tiny-gqa3", vocab_size=97, hidden_size=48, intermediate_size=80, num_layers=3,
+                num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                rope_theta=500000.0, tie_word_embeddings=True,
+                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    # MQA, head_dim 64 (head_dim * heads != hidden)
+    ModelConfig(name="tiny-mqa", vocab_size=97, hidden_size=64, intermediate_size=64, num_layers=2,
+                num_heads=4, num_kv_heads=1, head_dim=64, max_position_embeddings=256),
+    # Qwen2: GQA 4:1 with q/k/v bias
+    ModelConfig(name="tiny-qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
+                num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+                rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True, arch="qwen2"),
+    # Mistral: GQA 2:1
+    ModelConfig(name="tiny-mistral", vocab_size=97, hidden_size=32, intermediate_size=64,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                max_position_embeddings=256, arch="mistral"),
+]
+
+
+@pytest.mark.parametrize("cfg", TINY, ids=[c.name for c in TINY])
+def test_random_configs_match_transformers(cfg):
+    hf = _hf_model(cfg, seed=1)
+    model = load_state_dict(random_model(cfg, device="cpu", dtype=torch.float32), hf.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours, ref = model(ids), hf(ids).logits
+    assert ref.abs().max() > 1.0, "reference logits too small to tell models apart"
+    diff = (ours - ref).abs().max().item()
+    assert diff <= TOL, f"{cfg.name}: max |diff| {diff}"
+    # greedy decoding with the KV cache matches transformers and the recompute loop
+    prompt = ids[0, :7].tolist()
+    with torch.no_grad():
+        ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                              attention_mask=torch.ones(1, 7, dtype=torch.long),
+                              eos_token_id=None, pad_token_id=0)[0, 7:].tolist()
+    cached = minillm.generate(model, None, prompt, max_new_tokens=12)
+    assert cached == ref_ids
+    assert minillm.generate_no_cache(model, None, prompt, max_new_tokens=12) == cached
+
+
+def test_local_checkpoint_directory(tmp_path):
+    cfg = TINY[3]                                      # a Qwen2 checkpoint on disk
+    hf = _hf_model(cfg, seed=3)
+    hf.save_pretrained(tmp_path)
+    model, tok = minillm.load_model(str(tmp_path), device="cpu")
+    assert model.config.arch == "qwen2" and model.config.attention_bias
+    assert tok is None                                 # no tokenizer files were saved
+    ids = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= TOL
+
+
+def test_cache_steps_equal_full_forward():
+    cfg = TINY[1]
+    model = random_model(cfg, device="cpu", dtype=torch.float32, std=0.2)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(5))
+    full = model(ids)
+    cache = minillm.cache.contiguous.ContiguousKVCache(cfg, batch_size=2, max_len=12)
+    parts = [model(ids[:, :5], cache=cache), model(ids[:, 5:9], cache=cache)]
+    parts += [model(ids[:, t:t + 1], cache=cache) for t in range(9, 12)]
+    assert cache.seq_len == 12
+    assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
+
+
+def test_random_presets_build_at_real_shapes():
+    for name in configs.names():
+        cfg = configs.get(name)
+        if cfg.attention == "mla":
+            with pytest.raises(ValueError, match="MLA"):
+                minillm.load_model(name, weights="random", device="meta")
+            continue
+        model, _ = minillm.load_model(name, weights="random", device="meta")
+        assert model.num_params() == kvmath.param_count(cfg), name
+
+
+def test_random_weights_are_seeded():
+    a, _ = minillm.load_model(TINY[0], weights="random", device="cpu", seed=7)
+    b, _ = minillm.load_model(TINY[0], weights="random", device="cpu", seed=7)
+    c, _ = minillm.load_model(TINY[0], weights="random", device="cpu", seed=8)
+    ids = torch.arange(10)[None]
+    assert torch.equal(a(ids), b(ids))
+    assert not torch.equal(a(ids), c(ids))
+
+
+def test_small_random_preset_runs():
+    model, tok = minillm.load_model("smollm2-135m", weights="random", device="cpu")
+    assert tok is not None                              # the bundled tokenizer serves random weights too
+    out = minillm.generate(model, tok, "hello", max_new_tokens=3,
+                           sampling=minillm.SamplingParams(temperature=0.0, ignore_eos=True))
+    assert len(out) == 3

@@ -1,0 +1,87 @@
+import pytest
+import torch
+
+from minillm.sampling import SamplingParams, make_generator, sample, top_k_filter, top_p_filter
+
+
+def _logits(seed=0, B=4, V=50):
+    return torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_temperature_zero_is_greedy():
+    logits = _logits()
+    out = sample(logits, SamplingParams(temperature=0.0, top_k=3, top_p=0.5))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_never_leaves_the_k_best():
+    logits = _logits(1)
+    k = 5
+    best = logits.topk(k, dim=-1).indices
+    g = make_generator(0)
+    params = SamplingParams(temperature=2.0, top_k=k)
+    seen = set()
+    for _ in range(300):
+        tok = sample(logits, params, g)
+        for b in range(logits.shape[0]):
+            assert tok[b].item() in best[b].tolist()
+            seen.add((b, tok[b].item()))
+    assert len(seen) > logits.shape[0] * 2       # with temperature 2 it does explore within the k
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
+    logits = probs.log()
+    kept = lambda p: torch.isfinite(top_p_filter(logits, p))[0].nonzero().flatten().tolist()
+    assert kept(0.5) == [0]                      # the top token alone reaches 0.5
+    assert kept(0.6) == [0, 1]                   # 0.5 < 0.6 <= 0.7
+    assert kept(0.7) == [0, 1]                   # exactly reaching p stops there
+    assert kept(0.71) == [0, 1, 2]
+    assert kept(0.01) == [0]                     # the top token is always kept
+    assert kept(1.0) == [0, 1, 2, 3, 4]
+
+
+def test_top_p_works_on_unsorted_rows():
+    probs = torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15], [0.25, 0.25, 0.2, 0.2, 0.1]])
+    filtered = top_p_filter(probs.log(), 0.75)
+    assert torch.isfinite(filtered[0]).nonzero().flatten().tolist() == [1, 3, 4]
+    assert torch.isfinite(filtered[1]).sum().item() == 4        # 0.25 + 0.25 + 0.2 + 0.2 > 0.75
+
+
+def test_top_k_filter_ties_and_disabled():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    assert torch.isfinite(top_k_filter(logits, 2)).tolist() == [[False, True, True, False]]
+    assert torch.equal(top_k_filter(logits, -1), logits)
+
+
+def test_seed_reproduces_and_differs():
+    logits = _logits(2)
+    p = SamplingParams(temperature=1.0, top_p=0.9)
+    a = [sample(logits, p, make_generator(123)).tolist() for _ in range(3)]
+    assert a[0] == a[1] == a[2]
+    draws = {tuple(sample(logits, p, make_generator(s)).tolist()) for s in range(20)}
+    assert len(draws) > 1
+
+
+def test_sampling_matches_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    g = make_generator(0)
+    n = 4000
+    counts = torch.bincount(torch.cat([sample(logits.expand(200, 3), SamplingParams(), g)
+                                       for _ in range(n // 200)]), minlength=3).float() / n
+    assert torch.allclose(counts, logits.softmax(-1)[0], atol=0.03)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(max_tokens=-3), "max_tokens"),
+    (dict(n=0), "n must"),
+])
+def test_invalid_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
