@@ -59,16 +59,16 @@ def generate_stream(model, tok, prompt: Prompt, max_new_tokens: int = 32,
     input_ids = encode_prompt(model, tok, prompt)             # [1, T]
     T = input_ids.shape[1]
     _check_room(model, T, max_new_tokens)
-    cache = ContiguousKVCache(model.config, batch_size=1, max_len=T + max_new_tokens,
+    cache = ContiguousKVCache(model.config, batch_size=1, max_len=T + max_new_tokens - 1,
                               dtype=model.dtype, device=model.device)
     gen = make_generator(sampling.seed, model.device)
     stop_ids = _eos_ids(tok, sampling)
     logits = model(input_ids, cache=cache, last_only=True)    # prefill: [1, 1, V]
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         next_id = sample(logits[:, -1], sampling, gen)        # [1]
         token = int(next_id)
         yield token
-        if token in stop_ids:
+        if token in stop_ids or step == max_new_tokens - 1:
             return
         logits = model(next_id[:, None], cache=cache)         # decode: one token in, [1, 1, V]
 

@@ -9,9 +9,14 @@ nor V per head: one compressed latent of kv_lora_rank values plus one shared rot
 qk_rope_head_dim values per token and layer, so there is no factor 2:
 
     mla_bytes_per_token = num_layers x (kv_lora_rank + qk_rope_head_dim) x bytes_per_element
+
+The counts are elements only: an fp8/int8 cache also keeps scale factors (one per tensor or per
+token and head in common engines), a few bytes beside hundreds of kilobytes, left out here.
+Capacities use decimal units where a datasheet does (an "80 GB" GPU is 80 x 10^9 bytes here).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .configs import ModelConfig
@@ -41,17 +46,23 @@ def kv_elements_per_token(cfg: ModelConfig) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
     """Bytes of KV cache one token occupies across all layers."""
-    return int(kv_elements_per_token(cfg) * dtype_bytes(dtype))
+    return math.ceil(kv_elements_per_token(cfg) * dtype_bytes(dtype))   # a partial byte is a byte
 
 
 def kv_bytes_per_sequence(cfg: ModelConfig, seq_len: int, dtype="bfloat16") -> int:
+    """Bytes of KV cache one sequence of seq_len tokens occupies."""
+    if seq_len < 0:
+        raise ValueError(f"seq_len must be >= 0, got {seq_len}")
     return kv_bytes_per_token(cfg, dtype) * seq_len
 
 
 def mha_equivalent_bytes_per_token(cfg: ModelConfig, dtype="bfloat16") -> int:
-    """What the cache would cost if every query head had its own K and V (no GQA/MQA/MLA)."""
-    d = cfg.head_dim if cfg.attention != "mla" else cfg.hidden_size // cfg.num_heads
-    return int(2 * cfg.num_layers * cfg.num_heads * d * dtype_bytes(dtype))
+    """What the cache would cost if every query head kept its own K and V (no GQA/MQA/MLA).
+
+    For MLA that is the decompressed per-head keys (head_dim) and values (v_head_dim)."""
+    v_dim = cfg.v_head_dim or cfg.head_dim
+    elements = cfg.num_layers * cfg.num_heads * (cfg.head_dim + v_dim)
+    return math.ceil(elements * dtype_bytes(dtype))
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -84,6 +95,7 @@ GPUS = {
     "H100-SXM-80GB": GPU("H100-SXM-80GB", 80 * 10**9, 3.35e12, 989e12),
     "H200-SXM-141GB": GPU("H200-SXM-141GB", 141 * 10**9, 4.8e12, 989e12),
     "A100-SXM-80GB": GPU("A100-SXM-80GB", 80 * 10**9, 2.039e12, 312e12),
+    "A100-SXM-40GB": GPU("A100-SXM-40GB", 40 * 10**9, 1.555e12, 312e12),
     "L4-24GB": GPU("L4-24GB", 24 * 10**9, 0.3e12, 121e12),
     "RTX-4090-24GB": GPU("RTX-4090-24GB", 24 * 10**9, 1.008e12, 165e12),
 }
@@ -120,14 +132,26 @@ def plan_capacity(gpu, cfg: ModelConfig, weight_dtype="bfloat16", kv_dtype="bflo
                   reserved_bytes: int = 0, num_gpus: int = 1) -> CapacityPlan:
     """How much KV cache fits next to the weights, and how many sequences that serves.
 
-    Weights and KV heads are split evenly over `num_gpus` (tensor parallelism), so per GPU the
-    pool is (utilization x memory - weights / n - reserve) and each token costs 1/n of its bytes.
+    Like vLLM, the engine may use `gpu_memory_utilization` of each GPU's memory; the weights and
+    `reserved_bytes` per GPU (activations, CUDA graphs, workspace) come out of that, and the rest
+    is the KV pool. Weights and KV heads are split evenly over `num_gpus` (tensor parallelism),
+    so per GPU the pool is (utilization x memory - weights / n - reserve) and each token costs
+    1/n of its bytes there; the plan reports the totals over all GPUs.
     """
     g = get_gpu(gpu)
-    if not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    if context_len <= 0:
-        raise ValueError(f"context_len must be positive, got {context_len}")
+    if not 0 < gpu_memory_utilization <= 1:        # also rejects NaN
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}; "
+                         "it is the fraction of GPU memory the engine may use, e.g. 0.9")
+    if int(context_len) != context_len or context_len <= 0:
+        raise ValueError(f"context_len must be a positive integer, got {context_len}")
+    if context_len > cfg.max_position_embeddings:
+        raise ValueError(f"context_len {context_len} exceeds {cfg.name}'s context of "
+                         f"{cfg.max_position_embeddings} tokens; plan for at most that")
+    if reserved_bytes < 0:
+        raise ValueError(f"reserved_bytes must be >= 0, got {reserved_bytes}")
+    if int(num_gpus) != num_gpus or num_gpus < 1:
+        raise ValueError(f"num_gpus must be a positive integer, got {num_gpus}")
+    context_len, num_gpus, reserved_bytes = int(context_len), int(num_gpus), int(reserved_bytes)
     usable = int(g.memory_bytes * gpu_memory_utilization) * num_gpus
     weights = weight_bytes(cfg, weight_dtype)
     pool = max(0, usable - weights - reserved_bytes * num_gpus)
