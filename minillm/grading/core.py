@@ -1,0 +1,158 @@
+"""The grading framework: a Check, an Exercise (a group of checks), grade() and report().
+
+A check is a name and a function that takes the learner's function and returns (ok, message):
+
+    def _keeps_top_token(top_p_filter):
+        ...
+        return False, "for p=0.1 on [...] you kept no token; the most likely one always stays"
+
+grade() runs every check of an exercise under one time limit (see timelimit.py) and turns
+exceptions, time-outs and crashes into failed checks with a message; report() prints
+
+    top_p_filter: 4/5 checks passed
+      ok    always keeps the most likely token
+      FAIL  keeps the smallest set reaching p: for p=0.5 ... you kept ...
+    [minillm-grade] ch00.top_p 4/5
+
+The last line is the machine-readable grade line that `python -m minillm.grading` parses.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from .timelimit import default_time_limit, describe_exception, run_stream
+
+GRADE_LINE_PREFIX = "[minillm-grade]"
+GRADE_LINE_RE = re.compile(r"^\[minillm-grade\] (?P<exercise>[A-Za-z0-9_.\-]+) "
+                           r"(?P<score>\d+)/(?P<max>\d+)\s*$", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str                                        # what is checked, in words
+    fn: Callable[[Callable], tuple[bool, str]]       # fn(learner_function) -> (ok, message)
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    name: str
+    ok: bool
+    message: str = ""
+
+
+@dataclass
+class GradeResult:
+    exercise: str                                    # id, e.g. "ch00.top_p"
+    title: str                                       # what the learner wrote, e.g. "top_p_filter"
+    outcomes: list[CheckOutcome] = field(default_factory=list)
+
+    @property
+    def score(self) -> int:
+        return sum(o.ok for o in self.outcomes)
+
+    @property
+    def max(self) -> int:
+        return len(self.outcomes)
+
+    @property
+    def full_marks(self) -> bool:
+        return self.score == self.max
+
+    @property
+    def messages(self) -> list[str]:
+        """One line per failed check: 'check name: what went wrong'."""
+        return [f"{o.name}: {o.message}" for o in self.outcomes if not o.ok]
+
+    @property
+    def failed(self) -> list[str]:
+        """Names of the failed checks."""
+        return [o.name for o in self.outcomes if not o.ok]
+
+    def grade_line(self) -> str:
+        return f"{GRADE_LINE_PREFIX} {self.exercise} {self.score}/{self.max}"
+
+    def __str__(self) -> str:
+        head = f"{self.title}: {self.score}/{self.max} checks passed"
+        lines = [head + (". Full marks." if self.full_marks else "")]
+        for o in self.outcomes:
+            if o.ok:
+                lines.append(f"  ok    {o.name}")
+            else:
+                text = o.message.replace("\n", "\n        ")
+                lines.append(f"  FAIL  {o.name}: {text}")
+        lines.append(self.grade_line())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"GradeResult({self.exercise} {self.score}/{self.max})"
+
+
+@dataclass(frozen=True)
+class Exercise:
+    id: str                                          # "chNN.short_name": the CSV column
+    title: str                                       # the function the learner writes
+    checks: tuple[Check, ...]
+
+    @property
+    def max(self) -> int:
+        return len(self.checks)
+
+    def check(self, learner: Callable, time_limit: Optional[float] = None,
+              isolation: Optional[str] = None) -> GradeResult:
+        """Grade `learner`, print the report, return the result."""
+        return report(grade(self, learner, time_limit, isolation))
+
+
+def _run_check(check: Check, learner: Callable) -> tuple[bool, str]:
+    try:
+        ok, message = check.fn(learner)
+    except NotImplementedError:
+        return False, "not written yet: your function raises NotImplementedError"
+    except (Exception, SystemExit) as exc:
+        name, detail, where = describe_exception(exc)
+        return False, f"your code raised {name}: {detail}" + (f" ({where})" if where else "")
+    return bool(ok), str(message or "")
+
+
+def grade(exercise: Exercise, learner: Callable, time_limit: Optional[float] = None,
+          isolation: Optional[str] = None) -> GradeResult:
+    """Run every check of `exercise` on `learner` within one time limit (seconds; default
+    10 s or $MINILLM_GRADE_TIME_LIMIT). Never raises because of the learner's code."""
+    if not callable(learner):
+        why = f"expected a function, got {type(learner).__name__}"
+        outcomes = [CheckOutcome(c.name, False, why) for c in exercise.checks]
+        return GradeResult(exercise.id, exercise.title, outcomes)
+    limit = default_time_limit() if time_limit is None else time_limit
+
+    def job():
+        for check in exercise.checks:
+            yield _run_check(check, learner)
+
+    items, problem = run_stream(job, limit, isolation)
+    outcomes = [CheckOutcome(c.name, ok, msg) for c, (ok, msg) in zip(exercise.checks, items)]
+    if problem is not None:
+        stuck = exercise.checks[len(items)] if len(items) < len(exercise.checks) else None
+        if stuck is not None:
+            if problem == "timeout":
+                why = (f"did not finish within the time limit of {limit:g} s (an infinite loop, "
+                       "or far too slow?)")
+            else:
+                why = f"crashed: {problem}"
+            outcomes.append(CheckOutcome(stuck.name, False, why))
+            for c in exercise.checks[len(items) + 1:]:
+                outcomes.append(CheckOutcome(c.name, False, "not run: an earlier check "
+                                             "did not finish"))
+    return GradeResult(exercise.id, exercise.title, outcomes)
+
+
+def report(result: GradeResult) -> GradeResult:
+    """Print the result (score, one line per check, the grade line) and return it."""
+    print(result, flush=True)
+    return result
+
+
+def parse_grade_lines(text: str) -> dict[str, tuple[int, int]]:
+    """{exercise id: (score, max)} from printed output; a later line for the same id wins."""
+    return {m["exercise"]: (int(m["score"]), int(m["max"])) for m in GRADE_LINE_RE.finditer(text)}
