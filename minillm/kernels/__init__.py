@@ -1,0 +1,163 @@
+"""Paged-attention kernels: Triton on a GPU, plain-PyTorch twins everywhere (chapters 03 and 05).
+
+    store_kv(k, v, k_cache, v_cache, slot_mapping)                       write K/V into blocks
+    paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+
+Each public function checks its inputs (see `checks.py`), then runs the Triton kernel when the
+tensors are on CUDA and the twin from `reference.py` otherwise. `impl="triton"` or
+`impl="reference"` forces one; the tests run the Triton kernels on CPU tensors that way, with
+TRITON_INTERPRET=1 set before this package first imports a kernel (Triton decides at kernel
+definition time whether it compiles or interprets). The Triton modules are imported only when
+first used, so the references work where Triton is not installed.
+
+Files: reference.py (the twins), store_kv_kernel.py, paged_decode.py (single-pass and split-KV
+decode, and the rule that picks one), paged_prefill.py, checks.py (input checks),
+compile_check.py (compile the kernels for a GPU on a machine without one).
+
+Keyword-only extras (not part of the vLLM-style signature):
+    impl          None (by device) | "triton" | "reference"
+    check_values  True: check block ids / lengths / slots against the pool (one small host read
+                  on CUDA); False: trust the caller, no sync (hot loops, CUDA graphs)
+    split_kv, partition_size   (decode) force flash-decoding on/off and its slice length
+    max_query_len              (prefill) longest q_len, if the caller knows it on the host
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import checks, reference
+
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "reference"]
+
+_IMPLS = (None, "triton", "reference")
+
+
+def _use_triton(impl, device: torch.device) -> bool:
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be None, 'triton' or 'reference', got {impl!r}")
+    if impl is None:
+        return device.type == "cuda"
+    if impl == "triton" and device.type != "cuda":
+        from .paged_decode import interpreting       # the kernels are defined on first import
+        if not interpreting():
+            raise ValueError(
+                "impl='triton' on CPU tensors needs Triton's interpreter: set the environment "
+                "variable TRITON_INTERPRET=1 before minillm.kernels first runs a Triton kernel "
+                f"(it is {os.environ.get('TRITON_INTERPRET')!r}), or move the tensors to CUDA")
+    return impl == "triton"
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=True):
+    """Write k, v [T, KVH, D] into k_cache, v_cache [num_blocks, block_size, KVH, D] in place.
+
+    slot_mapping [T] (int32 or int64): token t goes to block slot // block_size, row
+    slot % block_size; a slot of -1 skips the token (padding, vLLM convention).
+    """
+    checks.check_cache(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for name, t in (("k", k), ("v", v)):
+        checks.require(t.dim() == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_dim),
+                        f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the "
+                        f"cache, got shape {tuple(t.shape)}")
+        checks.require(t.dtype == k_cache.dtype,
+                        f"{name} is {t.dtype} but the cache is {k_cache.dtype}; cast it with "
+                        f".to({k_cache.dtype})")
+    checks.require(v.shape == k.shape, f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
+    checks.check_int_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+    checks.require(slot_mapping.shape[0] == k.shape[0],
+                    f"slot_mapping has {slot_mapping.shape[0]} entries for {k.shape[0]} tokens")
+    checks.check_same_device(k_cache.device, k=k, v=v, slot_mapping=slot_mapping)
+    if check_values and slot_mapping.numel():
+        num_slots = num_blocks * block_size
+        checks.raise_failed({
+            f"slot_mapping has a slot outside the pool: slots must be -1 (skip) or in "
+            f"[0, num_blocks * block_size = {num_slots})":
+                ((slot_mapping >= -1) & (slot_mapping < num_slots)).all(),
+        })
+    if _use_triton(impl, k_cache.device):
+        from .store_kv_kernel import store_kv_triton
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def _check_tables(block_tables, seq_lens, batch, device):
+    checks.check_int_tensor("block_tables", block_tables, 2)
+    checks.check_int_tensor("seq_lens", seq_lens, 1)
+    checks.require(block_tables.shape[0] == batch and seq_lens.shape[0] == batch,
+                    f"block_tables {tuple(block_tables.shape)} and seq_lens "
+                    f"{tuple(seq_lens.shape)} must both have one row per sequence ({batch})")
+    checks.check_same_device(device, block_tables=block_tables, seq_lens=seq_lens)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl=None,
+                           check_values=True, split_kv=None, partition_size=None):
+    """Decode attention over a paged cache: q [B, H, D] -> out [B, H, D].
+
+    block_tables [B, max_blocks] int32; seq_lens [B] int32 counts each sequence's keys, the
+    current token included (its K/V must already be stored).
+    """
+    checks.check_cache(k_cache, v_cache)
+    checks.require(q.dim() == 3, f"q must be [batch, num_heads, head_dim], got shape "
+                                  f"{tuple(q.shape)}")
+    checks.check_query(q, k_cache)
+    checks.check_scale(scale)
+    _check_tables(block_tables, seq_lens, q.shape[0], k_cache.device)
+    checks.check_same_device(k_cache.device, q=q)
+    if check_values and q.shape[0]:
+        checks.raise_failed(checks.table_conditions(block_tables, seq_lens, *k_cache.shape[:2]))
+    if _use_triton(impl, k_cache.device):
+        from .paged_decode import paged_decode_triton
+        return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, float(scale),
+                                   split_kv=split_kv, partition_size=partition_size)
+    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, *,
+                            impl=None, check_values=True, max_query_len=None):
+    """Causal attention for ragged query chunks over a paged cache: q [T, H, D] -> [T, H, D].
+
+    Sequence b owns q rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] ([B + 1] int32); they are its
+    last q_len tokens (K/V already stored), so query i sits at position seq_len - q_len + i.
+    """
+    checks.check_cache(k_cache, v_cache)
+    checks.require(q.dim() == 3, f"q must be [num_tokens, num_heads, head_dim], got shape "
+                                  f"{tuple(q.shape)}")
+    checks.check_query(q, k_cache)
+    checks.check_scale(scale)
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    _check_tables(block_tables, seq_lens, batch, k_cache.device)
+    checks.check_int_tensor("cu_seqlens_q", cu_seqlens_q, 1)
+    checks.require(cu_seqlens_q.shape[0] == batch + 1,
+                    f"cu_seqlens_q must have batch + 1 = {batch + 1} entries, got "
+                    f"{cu_seqlens_q.shape[0]}")
+    checks.check_same_device(k_cache.device, q=q, cu_seqlens_q=cu_seqlens_q)
+    if max_query_len is not None:
+        checks.require(isinstance(max_query_len, int) and max_query_len >= 0,
+                        f"max_query_len must be a non-negative int, got {max_query_len!r}")
+    if check_values and batch:
+        cu = cu_seqlens_q.long()
+        q_lens = cu[1:] - cu[:-1]                                  # [B]
+        conditions = {
+            "cu_seqlens_q must start at 0": cu[0] == 0,
+            f"cu_seqlens_q must end at the number of query tokens ({q.shape[0]})":
+                cu[-1] == q.shape[0],
+            "cu_seqlens_q must be non-decreasing (each sequence owns q rows cu[b]:cu[b + 1])":
+                (q_lens >= 0).all(),
+            "a sequence has more queries than tokens (q_len > seq_len); seq_lens must count "
+            "the context AND the new queries": (q_lens <= seq_lens.long()).all(),
+        }
+        if max_query_len is not None:
+            conditions[f"a sequence has more than max_query_len={max_query_len} queries"] = (
+                q_lens <= max_query_len).all()
+        conditions.update(checks.table_conditions(block_tables, seq_lens, *k_cache.shape[:2]))
+        checks.raise_failed(conditions)
+    if _use_triton(impl, k_cache.device):
+        from .paged_prefill import paged_prefill_triton
+        return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                                    float(scale), max_query_len=max_query_len)
+    return reference.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
+                                             block_tables, scale)
