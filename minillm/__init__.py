@@ -1,11 +1,12 @@
 """minillm: a small, readable LLM inference engine that the course notebooks build chapter by chapter."""
-from . import configs, kvmath
+from . import configs, kernels, kvmath
 from .configs import ModelConfig
 from .generate import generate, generate_no_cache, generate_stream
 from .loader import load_model
 from .model import Transformer
 from .sampling import SamplingParams
+from .engine import LLM
 
 __all__ = ["configs", "kvmath", "ModelConfig", "Transformer", "SamplingParams", "load_model",
-           "generate", "generate_stream", "generate_no_cache"]
+           "generate", "generate_stream", "generate_no_cache", "LLM"]
 __version__ = "0.1.0"

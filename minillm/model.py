@@ -174,8 +174,9 @@ class Transformer(nn.Module):
         return emb.cos(), emb.sin()
 
     def forward(self, input_ids, positions: Optional[torch.Tensor] = None, cache=None,
-                last_only: bool = False):
-        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only).
+                last_only: bool = False, logits_rows: Optional[torch.Tensor] = None):
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only, or [B, S, V] for
+        the S token positions in logits_rows: the engine needs logits only where it samples).
 
         Without a cache: full causal forward over the T tokens. With a cache: the T tokens
         continue what the cache already holds; their positions come from the cache unless given.
@@ -196,7 +197,9 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, cache)
         if cache is not None:
             cache.advance(T)
-        if last_only:
+        if logits_rows is not None:
+            x = x[:, logits_rows]                            # [B, S, C]
+        elif last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))                    # [B, T, V]
 

@@ -1,0 +1,300 @@
+"""Benchmark: offline generation throughput, minillm's engine against transformers.
+
+The nano-vllm workload: N requests whose input and output lengths are drawn uniformly from
+[min_len, max_len], prompts of random token ids, EOS ignored so every request produces exactly
+its output length. The same requests, the same weights, greedy decoding, through:
+
+    hf_static      transformers `model.generate` on left-padded static batches of max_num_seqs
+                   requests; a batch runs until its longest request is done (the shorter ones'
+                   extra tokens are padding waste and are NOT counted as output). EOS is held
+                   off with min_new_tokens, which masks it: tokens may differ where EOS would win
+    hf_continuous  transformers' own continuous batching (`ContinuousBatchingManager`, behind
+                   `model.generate_batch`), each request with its own max_new_tokens
+    minillm        minillm.LLM, continuous scheduling, chunked prefill, paged KV cache
+    minillm_static minillm.LLM with scheduling="static" (same engine, batch-at-a-time)
+
+Output tokens/s = requested output tokens / wall time of the whole run (after one warm-up).
+
+    python benchmarks/bench_engine.py                  # CPU: bundled SmolLM2, N=8, lengths 16..64,
+                                                       # 4 sequences at a time
+    python benchmarks/bench_engine.py --device cuda    # GPU: random-weight SmolLM2-135M and
+                                                       # Llama-3.2-1B shapes, N=256, 100..1024
+
+Writes benchmarks/results/engine_<device>_<date>.json (device, date, versions, command, the
+workload, one row per model and system) and a PNG bar chart with the same name. CPU numbers are
+CPU numbers: they say how the systems compare on this machine, nothing about a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import minillm  # noqa: E402
+from minillm import SamplingParams, configs  # noqa: E402
+from minillm.loader import random_model, to_hf_config  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static")
+DEFAULTS = {   # device -> workload and engine limits
+    "cpu": dict(models=["smollm2-135m"], weights="pretrained", num_requests=8, min_len=16,
+                max_len=64, max_num_seqs=4, max_num_batched_tokens=512),
+    "cuda": dict(models=["smollm2-135m", "llama-3.2-1b"], weights="random", num_requests=256,
+                 min_len=100, max_len=1024, max_num_seqs=256, max_num_batched_tokens=16384),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=["cpu", "cuda"])
+    p.add_argument("--models", nargs="+", default=None,
+                   help="presets; CPU default: the bundled smollm2-135m (real weights)")
+    p.add_argument("--weights", choices=["pretrained", "random"], default=None)
+    p.add_argument("--num-requests", type=int, default=None)
+    p.add_argument("--min-len", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    for k, v in DEFAULTS[args.device].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a GPU; run without it for the CPU mode")
+    if not 1 <= args.min_len <= args.max_len:
+        p.error("need 1 <= --min-len <= --max-len")
+    return args
+
+
+# ----------------------------------------------------------------------------- setup
+def workload(n, min_len, max_len, vocab, seed):
+    """nano-vllm's bench.py recipe: random ids, uniform input and output lengths."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(rng.randint(min_len, max_len))]
+               for _ in range(n)]
+    outputs = [rng.randint(min_len, max_len) for _ in range(n)]
+    return prompts, outputs
+
+
+def load_pair(name, weights, device, dtype):
+    """(minillm model, transformers model) holding the same weights."""
+    from transformers import AutoModelForCausalLM
+    if weights == "pretrained":
+        if name != "smollm2-135m":
+            raise SystemExit(f"only the bundled smollm2-135m has pretrained weights here; "
+                             f"use --weights random for {name}")
+        from minillm.loader import bundled_checkpoint
+        mini, _ = minillm.load_model(name, device=device, dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(str(bundled_checkpoint()), dtype=dtype)
+    else:
+        cfg = configs.get(name)
+        mini = random_model(cfg, device, dtype, seed=0)
+        hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=dtype)
+        state = {("" if k.startswith("lm_head") else "model.") + k: v
+                 for k, v in mini.state_dict().items()}
+        missing, unexpected = hf.load_state_dict(state, strict=False)
+        if [k for k in missing if "rotary" not in k] or unexpected:
+            raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
+    hf = hf.to(device).eval()
+    return mini.eval(), hf
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- systems
+@torch.inference_mode()
+def run_hf_static(hf, prompts, outputs, args):
+    """Left-padded static batches of max_num_seqs; each batch runs to its longest output."""
+    dev, results, padded = hf.device, [], 0
+    for s in range(0, len(prompts), args.max_num_seqs):
+        batch, outs = prompts[s:s + args.max_num_seqs], outputs[s:s + args.max_num_seqs]
+        width, new = max(map(len, batch)), max(outs)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, p in enumerate(batch):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        gen = hf.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=False,
+                          max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        for i, o in enumerate(outs):
+            results.append(gen[i, width:width + o].tolist())
+        padded += len(batch) * new - sum(outs)
+    return results, {"wasted_tokens": padded}
+
+
+@torch.inference_mode()
+def run_hf_continuous(hf, prompts, outputs, args):
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    gc = GenerationConfig(do_sample=False, max_new_tokens=max(outputs), eos_token_id=-1,
+                          pad_token_id=0)
+    cbc = ContinuousBatchingConfig(allow_block_sharing=False,
+                                   max_requests_per_batch=args.max_num_seqs)
+    done = {}
+    with hf.continuous_batching_context_manager(generation_config=gc, warmup=False,
+                                                continuous_batching_config=cbc) as mgr:
+        for i, (p, o) in enumerate(zip(prompts, outputs)):
+            mgr.add_request(p, request_id=f"r{i}", max_new_tokens=o, eos_token_id=-1)
+        while len(done) < len(prompts):
+            r = mgr.get_result(timeout=1)
+            if r is None:
+                if not mgr.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped")
+                continue
+            if r.error is not None:
+                raise RuntimeError(f"transformers' continuous batching failed: {r.error}")
+            if r.is_finished():
+                done[r.request_id] = list(r.generated_tokens)
+    return [done[f"r{i}"] for i in range(len(prompts))], {}
+
+
+def run_minillm(mini, prompts, outputs, args, scheduling="continuous"):
+    llm = minillm.LLM((mini, None), max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, scheduling=scheduling)
+    params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    eng = llm.engine
+    return [o.token_ids for o in outs], {
+        "num_kv_blocks": eng.num_kv_blocks, "steps": len(eng.step_stats),
+        "preemptions": eng.num_preemptions,
+        "mean_ttft_s": sum(o.metrics.ttft for o in outs) / len(outs)}
+
+
+RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
+           "hf_continuous": lambda m, h, p, o, a: run_hf_continuous(h, p, o, a),
+           "minillm": lambda m, h, p, o, a: run_minillm(m, p, o, a),
+           "minillm_static": lambda m, h, p, o, a: run_minillm(m, p, o, a, "static")}
+
+
+def timed(system, mini, hf, prompts, outputs, args):
+    sync(args.device)
+    t0 = time.perf_counter()
+    try:
+        tokens, extra = RUNNERS[system](mini, hf, prompts, outputs, args)
+    except Exception as e:  # noqa: BLE001 - record why a system could not run
+        return None, {"error": f"{type(e).__name__}: {e}"}
+    sync(args.device)
+    return tokens, {"seconds": time.perf_counter() - t0, **extra}
+
+
+# ----------------------------------------------------------------------------- main
+def versions():
+    import transformers
+    v = {"python": platform.python_version(), "torch": torch.__version__,
+         "transformers": transformers.__version__, "minillm": minillm.__version__}
+    try:
+        import triton
+        v["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return v
+
+
+def device_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
+           f"{torch.get_num_threads()} torch threads)"
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {"benchmark": "engine throughput (nano-vllm workload)", "device": args.device,
+              "device_name": device_name(args.device), "date": now.isoformat(timespec="seconds"),
+              "versions": versions(), "dtype": str(dtype).removeprefix("torch."),
+              "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+              "workload": {"num_requests": args.num_requests, "min_len": args.min_len,
+                           "max_len": args.max_len, "seed": args.seed, "ignore_eos": True,
+                           "greedy": True},
+              "engine": {"max_num_seqs": args.max_num_seqs,
+                         "max_num_batched_tokens": args.max_num_batched_tokens},
+              "rows": []}
+    for name in args.models:
+        mini, hf = load_pair(name, args.weights, args.device, dtype)
+        prompts, outputs = workload(args.num_requests, args.min_len, args.max_len,
+                                    mini.config.vocab_size, args.seed)
+        warm_p, warm_o = workload(2, 4, 8, mini.config.vocab_size, args.seed + 1)
+        produced = {}
+        for system in args.systems:
+            timed(system, mini, hf, warm_p, warm_o, args)           # warm-up
+            tokens, info = timed(system, mini, hf, prompts, outputs, args)
+            row = {"model": name, "weights": args.weights, "system": system, **info,
+                   "input_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)}
+            if tokens is not None:
+                row["output_tokens_per_s"] = sum(outputs) / info["seconds"]
+                row["lengths_ok"] = [len(t) for t in tokens] == outputs
+                produced[system] = tokens
+            record["rows"].append(row)
+            shown = (f"{row['output_tokens_per_s']:9.1f} tok/s  {info['seconds']:7.2f} s"
+                     if tokens is not None else f"FAILED {info['error']}")
+            print(f"{name:14s} {system:15s} {shown}", flush=True)
+        ref = produced.get("minillm")
+        for row in record["rows"]:     # agreement with minillm's greedy tokens, per request
+            if row["model"] == name and ref is not None and row["system"] in produced:
+                row["same_tokens_as_minillm"] = sum(
+                    a == b for a, b in zip(produced[row["system"]], ref)) / len(ref)
+        del mini, hf
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"engine_{args.device}_{now.strftime('%Y%m%d')}"
+    path = args.out_dir / f"{stem}.json"
+    path.write_text(json.dumps(record, indent=1))
+    plot(record, args.out_dir / f"{stem}.png")
+    print(f"wrote {path}")
+    return record
+
+
+def plot(record, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in record["rows"] if "output_tokens_per_s" in r]
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    systems = list(dict.fromkeys(r["system"] for r in rows))
+    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(models) * len(systems) / 2, 3.6))
+    width = 0.8 / max(1, len(systems))
+    for j, s in enumerate(systems):
+        xs, ys = [], []
+        for i, m in enumerate(models):
+            hit = [r for r in rows if r["model"] == m and r["system"] == s]
+            if hit:
+                xs.append(i + j * width)
+                ys.append(hit[0]["output_tokens_per_s"])
+        bars = ax.bar(xs, ys, width, label=s)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(models))], models)
+    ax.set_ylabel("output tokens / s")
+    w = record["workload"]
+    ax.set_title(f"{record['device_name']}, {record['dtype']}: {w['num_requests']} requests, "
+                 f"lengths {w['min_len']}..{w['max_len']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

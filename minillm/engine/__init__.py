@@ -1,0 +1,17 @@
+"""The serving engine (chapters 04-05): requests, scheduler, model runner, LLMEngine, LLM.
+
+    request.py       Request: prompt + outputs, num_computed_tokens chasing num_tokens, states
+    scheduler.py     FCFS, token budget, chunked prefill, static vs continuous, preemption
+    model_runner.py  one ragged batch per step over the paged KV cache; batched sampling
+    llm_engine.py    add_request / step / has_unfinished / abort_request
+    llm.py           LLM.generate(prompts, sampling_params): the offline batch API
+    outputs.py       RequestOutput / CompletionOutput
+"""
+from .llm import LLM
+from .llm_engine import LLMEngine, StepStats
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request, RequestStatus
+from .scheduler import Scheduler, SchedulerOutput
+
+__all__ = ["LLM", "LLMEngine", "StepStats", "RequestOutput", "CompletionOutput", "Request",
+           "RequestStatus", "Scheduler", "SchedulerOutput"]

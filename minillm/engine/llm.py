@@ -1,0 +1,103 @@
+"""`minillm.LLM`: offline batch generation on top of LLMEngine (vLLM's `LLM` class).
+
+    llm = minillm.LLM("smollm2-135m")
+    outs = llm.generate(["Hello", "The capital of France is"],
+                        minillm.SamplingParams(temperature=0.0, max_tokens=16))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].metrics.ttft
+
+Outputs come back in prompt order, one RequestOutput per prompt. With SamplingParams.n > 1 the
+samples are in `outs[i].outputs` (a list of n CompletionOutputs); `outs[i].text` etc. are the
+first sample's. A prompt the engine refuses (empty, longer than the context, can never fit in
+the KV pool, ...) gets finish_reason "error" and the reason in `outs[i].error`; the other
+prompts are unaffected. Invalid arguments to `generate` itself (a list of SamplingParams of the
+wrong length) raise ValueError.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..loader import load_model
+from ..sampling import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+
+
+class LLM:
+    """model: a name or directory for `minillm.load_model`, or a `(model, tokenizer)` pair, or a
+    Transformer (with `tokenizer=`). num_kv_blocks=None sizes the KV pool from memory (see
+    `minillm.engine.model_runner.CUDA_KV_FRACTION` and `CPU_KV_BYTES`)."""
+
+    def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
+                 num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = False, scheduling: str = "continuous",
+                 preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
+                 device=None, dtype=None, clock=None):
+        if enable_prefix_caching:   # fail before loading anything
+            raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
+                             "does not implement it yet; pass enable_prefix_caching=False")
+        if isinstance(model, tuple):
+            model, tokenizer = model
+        elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
+            model, tok = load_model(model, device=device, dtype=dtype)
+            tokenizer = tokenizer if tokenizer is not None else tok
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise ValueError("model must be a name for minillm.load_model, a (model, tokenizer) "
+                             f"pair or a minillm Transformer, got {type(model).__name__}")
+        if device is not None or dtype is not None:
+            model = model.to(device=device, dtype=dtype)
+        self.model, self.tokenizer = model, tokenizer
+        self.engine = LLMEngine(model, tokenizer, block_size=block_size,
+                                num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks,
+                                max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens,
+                                enable_chunked_prefill=enable_chunked_prefill,
+                                scheduling=scheduling, preemption=preemption, clock=clock)
+        self._ids = itertools.count()
+
+    def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
+                                                       None] = None,
+                 use_tqdm: bool = True) -> list:
+        """prompts: a string, a list of strings, or a list of token-id lists. sampling_params:
+        one for all prompts or a list with one per prompt. Returns [RequestOutput] in order."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                                 "pass one SamplingParams or exactly one per prompt")
+        ids, results = [], {}
+        for prompt, p in zip(prompts, params):
+            rid = str(next(self._ids))
+            ids.append(rid)
+            try:
+                self.engine.add_request(rid, prompt, p)
+            except ValueError as e:                      # this request only
+                results[rid] = RequestOutput.failed(rid, prompt, str(e))
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+        bar.update(len(results))
+        pending = set(ids) - set(results)
+        while pending:
+            for out in self.engine.step():
+                if out.request_id in pending:
+                    results[out.request_id] = out
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return [results[r] for r in ids]
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request added through `self.engine.add_request` (generate() blocks, so its own
+        requests finish before it returns)."""
+        return self.engine.abort_request(request_id)

@@ -1,0 +1,292 @@
+"""The engine loop: add requests, step, collect finished outputs (chapter 04).
+
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished():
+        for out in engine.step():          # outputs of the requests that finished in this step
+            print(out.request_id, out.text)
+
+One `step()` is one iteration of iteration-level scheduling:
+  1. the scheduler picks (request, num_new_tokens) pairs within the token budget and plans block
+     copies (swap out, swap in, copy-on-write);
+  2. the model runner does the copies, runs ONE forward pass over the ragged batch of all
+     scheduled tokens, and returns logits for the requests whose step reaches their last token;
+  3. the engine forks n > 1 requests after their prompt, samples one token per sequence with its
+     own generator, appends it, and finishes sequences on a stop token, a stop string or
+     max_tokens, freeing their blocks at once so the next step can use them.
+
+Bad input raises ValueError from `add_request` (the request is not added; nothing else is
+affected). `LLM.generate` turns that into an output with finish_reason "error".
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+
+from ..cache.blocks import BlockManager, BlockPool
+from ..metrics import default_clock
+from ..sampling import SamplingParams, make_generator
+from .model_runner import ModelRunner, kv_blocks_for_memory, sample_tokens
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request
+from .scheduler import Scheduler
+
+Prompt = Union[str, Sequence[int], torch.Tensor]
+
+
+@dataclass
+class StepStats:
+    """What one step did (for plots and for the tests' invariants)."""
+    num_batched_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    num_prefill_seqs: int           # sequences computing a prompt (or recompute) chunk
+    num_preempted: int
+    num_waiting: int
+    num_running: int
+    num_swapped: int
+    num_free_blocks: int
+    duration: float
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, block_size: int = 16,
+                 num_kv_blocks: Optional[int] = None, num_cpu_blocks: Optional[int] = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                 scheduling: str = "continuous", preemption: str = "recompute",
+                 clock=None, max_step_stats: int = 100_000):
+        if enable_prefix_caching:
+            raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
+                             "does not implement it yet; pass enable_prefix_caching=False")
+        if int(block_size) != block_size or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.clock = clock or default_clock
+        if num_kv_blocks is None:
+            num_kv_blocks = kv_blocks_for_memory(model, block_size, max_num_seqs)
+        if int(num_kv_blocks) != num_kv_blocks or num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks}")
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_kv_blocks if preemption == "swap" else 0
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                   enable_chunked_prefill, scheduling, preemption,
+                                   cpu_pool=self.cpu_pool, clock=self.clock)
+        self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
+                                  num_cpu_blocks)
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.eos_token_id = eos if eos is not None else self.config.eos_token_id
+        self.groups: dict = {}                   # request_id -> [Request], sample 0 first
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._aborted: list = []                 # request ids finished by abort, not yet returned
+        self.step_stats = collections.deque(maxlen=max_step_stats)
+
+    # --- requests ----------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.flatten().tolist()
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        vocab = self.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); check the "
+                             "tokenizer matches the model")
+        return ids
+
+    def check(self, ids: list, params: SamplingParams) -> None:
+        """Raise ValueError (naming the fix) when this request can never be served."""
+        ctx = self.config.max_position_embeddings
+        p, m = len(ids), params.max_tokens
+        if p >= ctx:
+            raise ValueError(f"prompt has {p} tokens but {self.config.name}'s context is {ctx}; "
+                             f"shorten the prompt to at most {ctx - 1} tokens")
+        if p + m > ctx:
+            raise ValueError(f"prompt ({p}) + max_tokens ({m}) exceeds the context of {ctx}; "
+                             f"lower max_tokens to {ctx - p}")
+        kv_tokens = p + m - 1                    # the last sampled token is never cached
+        blocks = -(-kv_tokens // self.block_size)
+        if blocks > self.num_kv_blocks:
+            fit = self.num_kv_blocks * self.block_size
+            raise ValueError(f"the request needs {blocks} KV blocks ({kv_tokens} tokens) but the "
+                             f"pool has only {self.num_kv_blocks} ({fit} tokens), so it could "
+                             "never run; raise num_kv_blocks or shorten prompt + max_tokens")
+        s = self.scheduler
+        if not s.enable_chunked_prefill and p > s.max_num_batched_tokens:
+            raise ValueError(f"prompt has {p} tokens, more than max_num_batched_tokens "
+                             f"({s.max_num_batched_tokens}) and chunked prefill is off; raise "
+                             "max_num_batched_tokens or enable_chunked_prefill=True")
+        if params.n > s.max_num_seqs:
+            raise ValueError(f"n={params.n} samples exceed max_num_seqs={s.max_num_seqs}; "
+                             "raise max_num_seqs or lower n")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
+        if any(not isinstance(t, str) or not t for t in params.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {params.stop!r}")
+
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: Optional[SamplingParams] = None,
+                    arrival_time: Optional[float] = None) -> None:
+        """Queue one request. Raises ValueError for bad input; nothing else is affected."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use; pick a unique id")
+        ids = self.encode(prompt)
+        self.check(ids, params)
+        gen = None if params.greedy else make_generator(params.seed, self.model.device)
+        req = Request(next(self._seq_ids), request_id, ids, params,
+                      arrival_time if arrival_time is not None else self.clock(),
+                      next(self._arrivals), gen, prompt=prompt if isinstance(prompt, str) else None)
+        self.groups[request_id] = [req]
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish every sample of the request with reason "abort" and free its blocks. Its
+        output is returned by the next step(). False if the id is unknown or already done."""
+        group = self.groups.get(request_id)
+        if group is None or all(r.is_finished for r in group):
+            return False
+        now = self.clock()
+        for r in group:
+            if not r.is_finished:
+                self.scheduler.finish(r, "abort")
+                r.metrics.finished_time = now
+        self._aborted.append(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    has_unfinished_requests = has_unfinished
+
+    # --- one step ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list:
+        """Run one iteration. Returns the RequestOutputs of requests finished in it."""
+        start = self.clock()
+        finished = self._aborted
+        self._aborted = []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(f"the scheduler could not schedule anything although requests "
+                                   f"are pending ({self.scheduler.waiting[:3]}...); this is a bug")
+            return [self._output(rid) for rid in finished]
+        n_decode = sum(n for r, n in sched.scheduled if not r.is_prefill)
+        prefill_seqs = sum(r.is_prefill for r, _ in sched.scheduled)
+        logits, sampling_reqs = self.runner.execute(sched)      # [S, V], S requests
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n
+
+        rows = []                               # (request, row of logits) per sequence to sample
+        for i, req in enumerate(sampling_reqs):
+            rows.append((req, i))
+            if not req.forked:
+                rows.extend((child, i) for child in self._fork(req))
+        tokens = sample_tokens(logits, rows)
+        now = self.clock()
+        for (req, _), token in zip(rows, tokens):
+            req.output_token_ids.append(token)
+            req.metrics.record_token(now)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self.scheduler.finish(req, reason)
+                req.metrics.finished_time = now
+                group = self.groups[req.request_id]
+                if all(r.is_finished for r in group) and req.request_id not in finished:
+                    finished.append(req.request_id)
+
+        n_prefill = sched.num_batched_tokens - n_decode
+        s = self.scheduler
+        self.step_stats.append(StepStats(
+            sched.num_batched_tokens, n_prefill, n_decode, len(sched.scheduled), prefill_seqs,
+            len(sched.preempted), len(s.waiting), len(s.running), len(s.swapped),
+            self.block_manager.num_free_blocks, self.clock() - start))
+        return [self._output(rid) for rid in finished]
+
+    def _fork(self, parent: Request) -> list:
+        """n > 1: the siblings share the prompt's blocks (refcounts), sampled independently."""
+        parent.forked = True
+        p = parent.params
+        children = []
+        for i in range(1, p.n):
+            seed = None if p.seed is None else p.seed + i
+            gen = None if p.greedy else make_generator(seed, self.model.device)
+            child = Request(next(self._seq_ids), parent.request_id, parent.prompt_token_ids, p,
+                            parent.metrics.arrival_time, parent.arrival_order, gen,
+                            sample_index=i, prompt=parent.prompt)
+            child.output_token_ids = list(parent.output_token_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            self.scheduler.add_running(child)
+            self.groups[parent.request_id].append(child)
+            children.append(child)
+        return children
+
+    def _stop_reason(self, req: Request, token: int) -> Optional[str]:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
+            return "stop"
+        if p.stop:
+            text = self.decode(req.output_token_ids)
+            hits = [(text.find(s), s) for s in p.stop if s in text]
+            if hits:
+                req.text_cut, req.stop_text = min(hits)
+                return "stop"
+        if req.num_output_tokens >= p.max_tokens:
+            return "length"
+        return None
+
+    def decode(self, ids: list) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _output(self, request_id: str) -> RequestOutput:
+        group = sorted(self.groups.pop(request_id), key=lambda r: r.sample_index)
+        outs = []
+        for r in group:
+            text = self.decode(r.output_token_ids)
+            stop = None
+            if r.text_cut is not None:
+                text, stop = text[:r.text_cut], r.stop_text
+            elif r.finish_reason == "stop" and r.output_token_ids:
+                stop = r.output_token_ids[-1]
+            outs.append(CompletionOutput(r.sample_index, text, list(r.output_token_ids),
+                                         r.finish_reason, r.metrics, stop))
+        first = group[0]
+        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True)
+
+    # --- introspection -------------------------------------------------------------------------
+    def get_request(self, request_id: str) -> list:
+        """The live Request objects of an unfinished request (sample 0 first)."""
+        return list(self.groups[request_id])
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+__all__ = ["LLMEngine", "StepStats"]

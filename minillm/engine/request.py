@@ -1,0 +1,112 @@
+"""One sequence the engine is serving (chapter 04).
+
+A request's tokens are its prompt followed by what it has generated so far. Its
+`num_computed_tokens` counts how many of them have keys and values in the KV cache; the scheduler
+moves it towards `num_tokens`, a chunk at a time during prefill and one token per step during
+decode. That single counter covers every case the engine meets:
+
+    prefill             num_computed < num_prompt_tokens          (may take several chunks)
+    decode              num_computed == num_tokens - 1            (the last sampled token is new)
+    recompute after     num_computed reset to 0: prompt + outputs are prefilled again as one
+    preemption          longer "prompt", then decoding carries on where it stopped
+
+States: WAITING (never ran, or preempted by recompute and requeued: then it is PREEMPTED),
+RUNNING, SWAPPED (preempted by swap: its KV blocks sit in the CPU pool) and FINISHED.
+Finish reasons follow vLLM: "stop" (a stop token or stop string), "length" (max_tokens),
+"abort" (cancelled by the caller).
+"""
+from __future__ import annotations
+
+import enum
+from typing import Optional
+
+import torch
+
+from ..metrics import RequestMetrics
+from ..sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"      # preempted by recompute: back in the waiting queue, KV freed
+    SWAPPED = "swapped"          # preempted by swap: KV in the CPU pool
+    FINISHED = "finished"
+
+
+class Request:
+    """One sequence. With SamplingParams.n > 1 the engine forks n - 1 siblings after the
+    prompt's prefill; they share the group's `request_id` and differ in `sample_index`."""
+
+    def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
+                 params: SamplingParams, arrival_time: float, arrival_order: int,
+                 generator: Optional[torch.Generator] = None, sample_index: int = 0,
+                 prompt: Optional[str] = None):
+        self.seq_id = seq_id                       # key in the BlockManager, unique per sequence
+        self.request_id = request_id               # the caller's id, shared by the n samples
+        self.sample_index = sample_index
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list = []
+        self.params = params
+        self.generator = generator
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[str] = None
+        self.stop_text: Optional[str] = None       # which stop string ended it
+        self.text_cut: Optional[int] = None        # len of the text before the stop string
+        self.arrival_order = arrival_order         # FCFS priority (lower = older)
+        self.forked = sample_index > 0 or params.n == 1
+        self.swapped_blocks: list = []             # CPU block ids while SWAPPED
+        self.metrics = RequestMetrics(arrival_time=arrival_time,
+                                      num_prompt_tokens=len(self.prompt_token_ids),
+                                      sample_index=sample_index)
+
+    # --- token bookkeeping -------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than the last sampled token is still missing from the cache (also true while
+        recomputing after a preemption)."""
+        return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    def token_ids(self, start: int, end: int) -> list:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def slots(self) -> int:
+        """Sequences this request will occupy in the running batch (n before it forks)."""
+        return 1 if self.forked else self.params.n
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def sort_key(self):
+        return (self.arrival_order, self.sample_index)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}#{self.sample_index}, {self.status.value}, "
+                f"computed {self.num_computed_tokens}/{self.num_tokens}, "
+                f"out {self.num_output_tokens}/{self.params.max_tokens})")
