@@ -3,16 +3,15 @@ and planted bugs (a step that overshoots the token budget, LIFO admission that s
 small requests overtaking a big one, leaked blocks of a preempted sequence, preempting the oldest
 instead of the newest, a static batch that ends with its first member, a slot refilled a step
 late, ...) are caught with a message that names the mistake."""
-from pathlib import Path
 
 import pytest
 
 from minillm.grading import ch04, grade
-from minillm.grading.testing import function_from_notebook, function_source
+from minillm.grading.testing import function_from_notebook
 
-ROOT = Path(__file__).resolve().parents[1]
+from grader_contract import contract_tests
+
 NOTEBOOK = "04_continuous_batching.ipynb"
-SOLUTIONS, EXERCISES = ROOT / "solutions" / NOTEBOOK, ROOT / "exercises" / NOTEBOOK
 LIMIT = 60          # generous: a loaded 2-core CI machine must never time out a correct solution
 
 # function the learner writes -> its exercise
@@ -24,25 +23,8 @@ GRADED = {
 
 # ------------------------------------------------------------------ solution passes, stub fails
 
-@pytest.mark.parametrize("name", GRADED)
-def test_solution_scores_full_marks(name):
-    result = grade(GRADED[name], function_from_notebook(SOLUTIONS, name), time_limit=LIMIT)
-    assert result.full_marks, str(result)
-    assert result.max >= 5
-
-
-@pytest.mark.parametrize("name", GRADED)
-def test_unfilled_exercise_fails_every_check(name):
-    result = grade(GRADED[name], function_from_notebook(EXERCISES, name), time_limit=LIMIT)
-    assert result.score == 0, str(result)
-    assert all("not written yet" in m for m in result.messages), result.messages
-
-
-def test_solution_cells_hold_the_marked_solution():
-    for name in GRADED:
-        src = function_source(SOLUTIONS, name)
-        assert "### BEGIN SOLUTION" in src and "### END SOLUTION" in src
-        assert "### BEGIN SOLUTION" not in function_source(EXERCISES, name)
+(test_solution_scores_full_marks, test_unfilled_exercise_fails_every_check,
+ test_solution_cells_hold_the_marked_solution) = contract_tests(NOTEBOOK, GRADED)
 
 
 def test_chapter_lists_its_exercises_for_batch_grading():

@@ -15,7 +15,9 @@ from minillm.configs import get
 from minillm.engine.model_runner import ModelRunner
 from minillm.engine.request import Request
 from minillm.grading import ch05, grade
-from minillm.grading.testing import function_from_notebook, function_source
+from minillm.grading.testing import function_from_notebook
+
+from grader_contract import contract_tests
 from minillm.loader import random_model
 from minillm.sampling import SamplingParams
 
@@ -32,25 +34,8 @@ GRADED = {
 
 # ------------------------------------------------------------------ solution passes, stub fails
 
-@pytest.mark.parametrize("name", GRADED)
-def test_solution_scores_full_marks(name):
-    result = grade(GRADED[name], function_from_notebook(SOLUTIONS, name), time_limit=LIMIT)
-    assert result.full_marks, str(result)
-    assert result.max >= 5
-
-
-@pytest.mark.parametrize("name", GRADED)
-def test_unfilled_exercise_fails_every_check(name):
-    result = grade(GRADED[name], function_from_notebook(EXERCISES, name), time_limit=LIMIT)
-    assert result.score == 0, str(result)
-    assert all("not written yet" in m for m in result.messages), result.messages
-
-
-def test_solution_cells_hold_the_marked_solution():
-    for name in GRADED:
-        src = function_source(SOLUTIONS, name)
-        assert "### BEGIN SOLUTION" in src and "### END SOLUTION" in src
-        assert "### BEGIN SOLUTION" not in function_source(EXERCISES, name)
+(test_solution_scores_full_marks, test_unfilled_exercise_fails_every_check,
+ test_solution_cells_hold_the_marked_solution) = contract_tests(NOTEBOOK, GRADED)
 
 
 def test_chapter_lists_its_exercises_for_batch_grading():
