@@ -1,5 +1,5 @@
 """minillm: a small, readable LLM inference engine that the course notebooks build chapter by chapter."""
-from . import configs, kernels, kvmath
+from . import configs, kernels, kvmath, roofline
 from .configs import ModelConfig
 from .generate import generate, generate_no_cache, generate_stream
 from .loader import load_model
