@@ -42,3 +42,25 @@ def contract_tests(notebook: str, graded: dict, min_checks: int = 5):
 
     return (test_solution_scores_full_marks, test_unfilled_exercise_fails_every_check,
             test_solution_cells_hold_the_marked_solution)
+
+
+def planted_bug_tests(graded: dict, bugs: list):
+    """bugs: [(learner function name, buggy function, words in the failing check's name, words
+    its message must contain)]. Each bug must lose marks on a check whose message names the
+    mistake, and every exercise must have at least two planted bugs."""
+
+    @pytest.mark.parametrize("name, bug, check, words", bugs,
+                             ids=[f"{b[0]}-{b[1].__name__}-{i}" for i, b in enumerate(bugs)])
+    def test_planted_bug_is_caught_with_a_specific_message(name, bug, check, words):
+        result = grade(graded[name], bug, time_limit=LIMIT)
+        assert not result.full_marks, f"{bug.__name__} got full marks"
+        failing = [m for o, m in zip([o for o in result.outcomes if not o.ok], result.messages)
+                   if check in o.name]
+        assert failing, f"no failed check matching {check!r}:\n{result}"
+        assert any(words in m for m in failing), f"{words!r} missing from {failing}"
+
+    def test_every_exercise_has_at_least_two_planted_bugs():
+        for name in graded:
+            assert len({b.__name__ for n, b, _, _ in bugs if n == name}) >= 2, name
+
+    return test_planted_bug_is_caught_with_a_specific_message, test_every_exercise_has_at_least_two_planted_bugs

@@ -7,7 +7,7 @@ import pytest
 from minillm.grading import ch02, grade
 from minillm.grading.testing import function_from_notebook
 
-from grader_contract import contract_tests
+from grader_contract import contract_tests, planted_bug_tests
 
 NOTEBOOK = "02_contiguous_allocation.ipynb"
 LIMIT = 60          # generous: a loaded 2-core CI machine must never time out a correct solution
@@ -248,20 +248,8 @@ BUGS = [
 ]
 
 
-@pytest.mark.parametrize("name, bug, check, words", BUGS,
-                         ids=[f"{b[0]}-{b[1].__name__}-{i}" for i, b in enumerate(BUGS)])
-def test_planted_bug_is_caught_with_a_specific_message(name, bug, check, words):
-    result = grade(GRADED[name], bug, time_limit=LIMIT)
-    assert not result.full_marks, f"{bug.__name__} got full marks"
-    failing = [m for o, m in zip([o for o in result.outcomes if not o.ok], result.messages)
-               if check in o.name]
-    assert failing, f"no failed check matching {check!r}:\n{result}"
-    assert any(words in m for m in failing), f"{words!r} missing from {failing}"
-
-
-def test_every_exercise_has_at_least_two_planted_bugs():
-    for name in GRADED:
-        assert len({b.__name__ for n, b, _, _ in BUGS if n == name}) >= 2, name
+(test_planted_bug_is_caught_with_a_specific_message,
+ test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)
 
 
 def test_a_bug_is_also_caught_by_the_random_trace_check():

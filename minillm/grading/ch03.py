@@ -21,6 +21,8 @@ import torch
 
 from ..cache.blocks import BlockManager
 from .core import Check, Exercise
+from .core import Problem as _Problem
+from .core import checked as _checked
 
 
 def _ceil(a: int, b: int) -> int:
@@ -30,10 +32,6 @@ def _ceil(a: int, b: int) -> int:
 # =========================================================================== (a) block tables
 
 _STATE = ("tables", "lengths", "refcounts", "free_blocks")
-
-
-class _Problem(Exception):
-    """A failed expectation inside a check; its text is the check's message."""
 
 
 def _state(bt):
@@ -106,17 +104,6 @@ def _copies(result) -> list:
     except (TypeError, ValueError):
         raise _Problem(f"append returned {result!r}; return a list of (src, dst) block pairs "
                        "([] when nothing was copied)")
-
-
-def _checked(fn):
-    """Turn a _Problem raised inside a check into (False, message)."""
-    def check(cls):
-        try:
-            fn(cls)
-        except _Problem as p:
-            return False, str(p)
-        return True, ""
-    return check
 
 
 @_checked

@@ -27,21 +27,8 @@ from ..engine.request import Request
 from ..engine.scheduler import Scheduler
 from ..sampling import SamplingParams
 from .core import Check, Exercise
-
-
-class _Problem(Exception):
-    """A failed expectation inside a check; its text is the check's message."""
-
-
-def _checked(fn):
-    """Turn a _Problem raised inside a check into (False, message)."""
-    def check(learner):
-        try:
-            fn(learner)
-        except _Problem as p:
-            return False, str(p)
-        return True, ""
-    return check
+from .core import Problem as _Problem
+from .core import checked as _checked
 
 
 def _is_int(x) -> bool:

@@ -105,6 +105,23 @@ class Exercise:
         return report(grade(self, learner, time_limit, isolation))
 
 
+class Problem(Exception):
+    """A failed expectation inside a check; its text becomes the check's message."""
+
+
+def checked(fn: Callable) -> Callable:
+    """Write a check as plain code that raises Problem("what went wrong") on the first broken
+    expectation; the decorated check returns (ok, message) as Check expects."""
+    def check(learner):
+        try:
+            fn(learner)
+        except Problem as p:
+            return False, str(p)
+        return True, ""
+    check.__name__ = getattr(fn, "__name__", "check")
+    return check
+
+
 def _run_check(check: Check, learner: Callable) -> tuple[bool, str]:
     try:
         ok, message = check.fn(learner)
