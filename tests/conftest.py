@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 
 # Triton kernels run through Triton's interpreter when there is no GPU. The variable must be set
@@ -8,3 +9,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small engine steps gain little from a second thread, and on a shared 2-core machine a
+    descheduled OpenMP worker stalls every matmul; a module that uses this runs single-threaded."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,7 +8,6 @@ real model runs the main modes with short outputs to keep CPU time sane.
 import random
 
 import pytest
-import torch
 
 import minillm
 from minillm import SamplingParams
@@ -23,14 +22,8 @@ TEXT_PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):",
                 "1, 2, 3, 4,"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small engine steps gain little from a second thread, and on a shared 2-core machine a
-    descheduled OpenMP worker stalls every matmul; run this module single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# small engine steps: single-threaded (see conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

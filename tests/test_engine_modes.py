@@ -24,14 +24,8 @@ from minillm.loader import random_model
 VOCAB = 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small engine steps gain little from a second thread, and on a shared 2-core machine a
-    descheduled OpenMP worker stalls every matmul; run this module single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# small engine steps: single-threaded (see conftest.one_thread)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed=0):
