@@ -7,6 +7,7 @@ Both give the same tokens under greedy decoding; chapter 01 times the difference
 """
 from __future__ import annotations
 
+import operator
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
@@ -17,31 +18,52 @@ from .sampling import SamplingParams, make_generator, sample
 Prompt = Union[str, Sequence[int], torch.Tensor]
 
 
-def encode_prompt(model, tok, prompt: Prompt) -> torch.Tensor:
-    """A prompt (text or token ids) -> input_ids [1, T] on the model's device, validated."""
+def prompt_token_ids(prompt: Prompt, tok, vocab_size: int) -> list[int]:
+    """A prompt (text, a list of ids or a tensor of ids) -> validated token ids."""
     if isinstance(prompt, str):
-        ids = tok.encode(prompt) if tok is not None else None
-        if ids is None:
+        if tok is None:
             raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
+        ids = tok.encode(prompt)
     elif isinstance(prompt, torch.Tensor):
         ids = prompt.flatten().tolist()
-    else:
+    elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
+    else:
+        raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                         f"{type(prompt).__name__}")
     if len(ids) == 0:
         raise ValueError("the prompt is empty; give at least one token")
+    try:
+        ids = [operator.index(t) for t in ids]            # ints, numpy ints; not floats
+    except TypeError:
+        ids = None
+    if ids is None or not all(0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); check the "
+                         "tokenizer matches the model")
+    return ids
+
+
+def encode_prompt(model, tok, prompt: Prompt) -> torch.Tensor:
+    """A prompt -> input_ids [1, T] on the model's device, validated."""
+    ids = prompt_token_ids(prompt, tok, model.config.vocab_size)
     return torch.tensor([ids], dtype=torch.long, device=model.device)
 
 
+def check_context_room(cfg, prompt_len: int, max_tokens: int, arg: str = "max_new_tokens") -> None:
+    """The prompt plus `max_tokens` new tokens must fit the model's context (`arg` names the knob)."""
+    ctx = cfg.max_position_embeddings
+    if prompt_len >= ctx:
+        raise ValueError(f"prompt has {prompt_len} tokens but {cfg.name}'s context is "
+                         f"{ctx}; shorten the prompt to at most {ctx - 1} tokens")
+    if prompt_len + max_tokens > ctx:
+        raise ValueError(f"prompt ({prompt_len}) + {arg} ({max_tokens}) exceeds "
+                         f"the context of {ctx}; lower {arg} to {ctx - prompt_len}")
+
+
 def _check_room(model, prompt_len: int, max_new_tokens: int) -> None:
-    ctx = model.config.max_position_embeddings
     if int(max_new_tokens) != max_new_tokens or max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-    if prompt_len >= ctx:
-        raise ValueError(f"prompt has {prompt_len} tokens but {model.config.name}'s context is "
-                         f"{ctx}; shorten the prompt to at most {ctx - 1} tokens")
-    if prompt_len + max_new_tokens > ctx:
-        raise ValueError(f"prompt ({prompt_len}) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"the context of {ctx}; lower max_new_tokens to {ctx - prompt_len}")
+    check_context_room(model.config, prompt_len, max_new_tokens)
 
 
 def _eos_ids(tok, sampling: SamplingParams) -> set:

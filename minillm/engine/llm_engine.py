@@ -22,11 +22,12 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Optional
 
 import torch
 
 from ..cache.blocks import BlockManager, BlockPool
+from ..generate import Prompt, check_context_room, prompt_token_ids
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
 from .model_runner import ModelRunner, kv_blocks_for_memory, sample_tokens
@@ -34,7 +35,6 @@ from .outputs import CompletionOutput, RequestOutput
 from .request import Request
 from .scheduler import Scheduler
 
-Prompt = Union[str, Sequence[int], torch.Tensor]
 
 
 @dataclass
@@ -94,35 +94,12 @@ class LLMEngine:
 
     # --- requests ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass token ids instead")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, torch.Tensor):
-            ids = prompt.flatten().tolist()
-        elif isinstance(prompt, (list, tuple)):
-            ids = list(prompt)
-        else:
-            raise ValueError(f"a prompt must be a string or a list of token ids, got "
-                             f"{type(prompt).__name__}")
-        if len(ids) == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        vocab = self.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); check the "
-                             "tokenizer matches the model")
-        return ids
+        return prompt_token_ids(prompt, self.tokenizer, self.config.vocab_size)
 
     def check(self, ids: list, params: SamplingParams) -> None:
         """Raise ValueError (naming the fix) when this request can never be served."""
-        ctx = self.config.max_position_embeddings
         p, m = len(ids), params.max_tokens
-        if p >= ctx:
-            raise ValueError(f"prompt has {p} tokens but {self.config.name}'s context is {ctx}; "
-                             f"shorten the prompt to at most {ctx - 1} tokens")
-        if p + m > ctx:
-            raise ValueError(f"prompt ({p}) + max_tokens ({m}) exceeds the context of {ctx}; "
-                             f"lower max_tokens to {ctx - p}")
+        check_context_room(self.config, p, m, arg="max_tokens")
         kv_tokens = p + m - 1                    # the last sampled token is never cached
         blocks = -(-kv_tokens // self.block_size)
         if blocks > self.num_kv_blocks:
