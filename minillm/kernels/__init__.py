@@ -39,7 +39,7 @@ __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "ref
 _IMPLS = (None, "triton", "torch", "reference")
 
 
-def _choose(impl, device: torch.device) -> str:
+def choose_impl(impl, device: torch.device) -> str:
     """Which implementation runs: "triton", "torch" (batched.py) or "reference"."""
     if impl not in _IMPLS:
         raise ValueError(f"impl must be None, 'triton', 'torch' or 'reference', got {impl!r}")
@@ -56,7 +56,7 @@ def _choose(impl, device: torch.device) -> str:
 
 
 def _use_triton(impl, device: torch.device) -> bool:
-    return _choose(impl, device) == "triton"
+    return choose_impl(impl, device) == "triton"
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=True):
@@ -118,7 +118,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     checks.check_same_device(k_cache.device, q=q)
     if check_values and q.shape[0]:
         checks.raise_failed(checks.table_conditions(block_tables, seq_lens, *k_cache.shape[:2]))
-    chosen = _choose(impl, k_cache.device)
+    chosen = choose_impl(impl, k_cache.device)
     if chosen == "triton":
         from .paged_decode import paged_decode_triton
         return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, float(scale),
@@ -166,7 +166,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
                 q_lens <= max_query_len).all()
         conditions.update(checks.table_conditions(block_tables, seq_lens, *k_cache.shape[:2]))
         checks.raise_failed(conditions)
-    chosen = _choose(impl, k_cache.device)
+    chosen = choose_impl(impl, k_cache.device)
     if chosen == "triton":
         from .paged_prefill import paged_prefill_triton
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
