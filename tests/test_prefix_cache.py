@@ -11,8 +11,8 @@ from minillm.cache.prefix import (PrefixCachingBlockManager, PrefixCachingBlockP
 def run(bm, seq_id, tokens, salt=None):
     """Admit tokens as a new sequence the way the engine does: lookup, allocate, compute, cache."""
     hits = bm.find_cached_blocks(tokens, salt)
-    bm.allocate(seq_id, len(tokens), hits, salt)
-    bm.cache_full_blocks(seq_id, len(tokens), lambda s, e: tokens[s:e])
+    bm.allocate(seq_id, len(tokens), hits)
+    bm.cache_full_blocks(seq_id, len(tokens), lambda s, e: tokens[s:e], salt)
     return hits
 
 
@@ -93,8 +93,7 @@ def test_salt_separates_tenants():
     assert bm.find_cached_blocks([1, 2, 3, 4, 5], "bob") == []
     assert bm.find_cached_blocks([1, 2, 3, 4, 5]) == []
     with pytest.raises(ValueError, match="cache_salt must be a string"):
-        bm.allocate("b", 3, (), cache_salt=7)
-    assert not bm.has("b") and bm.num_free_blocks == 5
+        bm.find_cached_blocks([1, 2, 3], cache_salt=7)
 
 
 def test_reset_prefix_cache_keeps_blocks_in_use():
@@ -178,6 +177,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.bm = PrefixCachingBlockManager(num_blocks, block_size)
         self.num_blocks, self.bs = num_blocks, block_size
         self.tokens = {}                  # seq_id -> token ids it holds
+        self.salts = {}                   # seq_id -> cache_salt
         self.memory = {}                  # slot -> tuple(prefix ending at that token)
         self.next_id = 0
 
@@ -194,7 +194,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _cache(self, seq_id):
         toks = self.tokens[seq_id]
-        self.bm.cache_full_blocks(seq_id, len(toks), lambda s, e: toks[s:e])
+        self.bm.cache_full_blocks(seq_id, len(toks), lambda s, e: toks[s:e], self.salts[seq_id])
 
     @rule(prefix=st.sampled_from([(), (1, 2, 3), (1, 2, 3, 4, 5, 6), (2, 2)]),
           suffix=st.lists(st.integers(0, 2), min_size=1, max_size=8),
@@ -208,13 +208,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         free_before = self.bm.num_free_blocks
         if not self.bm.can_allocate(seq_id, len(toks), hits):
             with pytest.raises(ValueError, match="out of KV blocks"):
-                self.bm.allocate(seq_id, len(toks), hits, salt)
+                self.bm.allocate(seq_id, len(toks), hits)
             assert self.bm.num_free_blocks == free_before and not self.bm.has(seq_id)
             return
         need = self.bm.blocks_needed(seq_id, len(toks), hits)
-        self.bm.allocate(seq_id, len(toks), hits, salt)
+        self.bm.allocate(seq_id, len(toks), hits)
         assert free_before - self.bm.num_free_blocks == need
         self.tokens[seq_id] = toks
+        self.salts[seq_id] = salt
         start = len(hits) * self.bs
         # the hit blocks already hold exactly this request's prefixes
         assert [self.memory[s] for s in self.bm.slot_mapping(seq_id, 0, start)] == \
@@ -243,6 +244,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.next_id += 1
         self.bm.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
+        self.salts[child] = self.salts[parent]
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())

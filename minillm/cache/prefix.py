@@ -200,9 +200,9 @@ class PrefixCachingBlockManager(BlockManager):
 
         hits = bm.find_cached_blocks(token_ids, cache_salt)    # longest cached prefix, in blocks
         if bm.can_allocate(seq_id, num_tokens, hits):
-            bm.allocate(seq_id, num_tokens, hits, cache_salt)   # table = hits + fresh blocks
+            bm.allocate(seq_id, num_tokens, hits)               # table = hits + fresh blocks
         ...                                                     # compute from len(hits) * block_size
-        bm.cache_full_blocks(seq_id, num_computed_tokens, token_ids)   # after the forward
+        bm.cache_full_blocks(seq_id, num_computed, get_tokens, cache_salt)   # after the forward
 
     Blocks are registered after their K/V is computed, never before, so no request can hit a
     block whose contents are not there yet (its owner might still be preempted in this step).
@@ -212,12 +212,13 @@ class PrefixCachingBlockManager(BlockManager):
         super().__init__(num_blocks, block_size)
         self.pool = PrefixCachingBlockPool(num_blocks, block_size)
         self.entries: dict = {}          # seq_id -> [CachedBlock] naming its leading full blocks
-        self.salts: dict = {}            # seq_id -> cache_salt
         self.chain_broken: set = set()   # seq_ids whose next block cannot be cached (collision)
 
     # --- lookup --------------------------------------------------------------------------------
     def find_cached_blocks(self, token_ids, cache_salt: Optional[str] = None) -> list[int]:
         """Block ids of the longest cached prefix of token_ids (full blocks, last token never)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
         bs, parent, hits = self.block_size, None, []
         for i in range(num_cacheable_blocks(len(token_ids), bs)):
             block = token_ids[i * bs:(i + 1) * bs]
@@ -249,14 +250,10 @@ class PrefixCachingBlockManager(BlockManager):
     def can_allocate(self, seq_id, num_tokens: int, cached_blocks=()) -> bool:
         return self.blocks_needed(seq_id, num_tokens, cached_blocks) <= self.pool.num_free_blocks
 
-    def allocate(self, seq_id, num_tokens: int, cached_blocks=(),
-                 cache_salt: Optional[str] = None) -> list[tuple[int, int]]:
+    def allocate(self, seq_id, num_tokens: int, cached_blocks=()) -> list[tuple[int, int]]:
         """Grow seq_id to num_tokens. A new sequence may start on cached_blocks (from
-        find_cached_blocks): they are shared by reference, never written."""
-        if cached_blocks or seq_id not in self.tables:
-            if cache_salt is not None and not isinstance(cache_salt, str):
-                raise ValueError(f"cache_salt must be a string or None, got "
-                                 f"{type(cache_salt).__name__}")
+        find_cached_blocks): they are shared by reference and never written."""
+        if cached_blocks:
             need = self.blocks_needed(seq_id, num_tokens, cached_blocks)
             if need > self.pool.num_free_blocks:
                 raise ValueError(f"out of KV blocks: sequence {seq_id!r} needs {need} more, "
@@ -266,19 +263,17 @@ class PrefixCachingBlockManager(BlockManager):
             self.tables[seq_id] = list(cached_blocks)
             self.lengths[seq_id] = len(cached_blocks) * self.block_size
             self.entries[seq_id] = [self.pool.block_entry[b] for b in cached_blocks]
-            self.salts[seq_id] = cache_salt
-            if num_tokens <= self.lengths[seq_id]:
-                return []
-        table = self.tables[seq_id]
-        n = self.lengths[seq_id]
+        table, n = self.tables.get(seq_id, []), self.lengths.get(seq_id, 0)
         if num_tokens > n and n % self.block_size:          # writes go into the last block
             assert self.pool.block_entry[table[-1]] is None, "a cached (full) block is never written"
         return super().allocate(seq_id, num_tokens)
 
     def cache_full_blocks(self, seq_id, num_computed_tokens: int,
-                          token_ids: Callable[[int, int], list]) -> int:
+                          token_ids: Callable[[int, int], list],
+                          cache_salt: Optional[str] = None) -> int:
         """After a forward: register seq_id's blocks that are now full and computed.
-        token_ids(start, end) returns the sequence's tokens. Returns how many were added."""
+        token_ids(start, end) returns the sequence's tokens; cache_salt must be the one its
+        lookup used. Returns how many blocks were added to the cache."""
         entries = self.entries.setdefault(seq_id, [])
         table, bs = self._table(seq_id), self.block_size
         full = min(num_computed_tokens, self.lengths[seq_id]) // bs
@@ -287,7 +282,7 @@ class PrefixCachingBlockManager(BlockManager):
             i = len(entries)
             parent = entries[-1] if entries else None
             entry = self.pool.cache_block(table[i], token_ids(i * bs, (i + 1) * bs), parent,
-                                          self.salts.get(seq_id))
+                                          cache_salt)
             if entry is None:                               # collision: stop caching this one
                 self.chain_broken.add(seq_id)
                 break
@@ -298,14 +293,12 @@ class PrefixCachingBlockManager(BlockManager):
     def fork(self, parent_id, child_id) -> None:
         super().fork(parent_id, child_id)
         self.entries[child_id] = list(self.entries.get(parent_id, []))
-        self.salts[child_id] = self.salts.get(parent_id)
         if parent_id in self.chain_broken:
             self.chain_broken.add(child_id)
 
     def free(self, seq_id) -> None:
         super().free(seq_id)                                 # tail first: deepest evicted first
         self.entries.pop(seq_id, None)
-        self.salts.pop(seq_id, None)
         self.chain_broken.discard(seq_id)
 
     def reset_prefix_cache(self) -> int:
