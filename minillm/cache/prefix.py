@@ -206,6 +206,9 @@ class PrefixCachingBlockManager(BlockManager):
 
     Blocks are registered after their K/V is computed, never before, so no request can hit a
     block whose contents are not there yet (its owner might still be preempted in this step).
+    So that two requests with the same prefix do not both compute it, the blocks a running
+    sequence is computing are listed by key (`mark_pending`); a newcomer whose next block is
+    among them waits (`is_computing`) and hits once the block is cached.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
@@ -213,6 +216,8 @@ class PrefixCachingBlockManager(BlockManager):
         self.pool = PrefixCachingBlockPool(num_blocks, block_size)
         self.entries: dict = {}          # seq_id -> [CachedBlock] naming its leading full blocks
         self.chain_broken: set = set()   # seq_ids whose next block cannot be cached (collision)
+        self.pending: dict = {}          # key of a full block being computed now -> seq_id
+        self.pending_by_seq: dict = {}   # seq_id -> [(block index, key)] it has yet to compute
 
     # --- lookup --------------------------------------------------------------------------------
     def find_cached_blocks(self, token_ids, cache_salt: Optional[str] = None) -> list[int]:
@@ -229,6 +234,42 @@ class PrefixCachingBlockManager(BlockManager):
             hits.append(entry.block_id)
             parent = entry
         return hits
+
+    def is_computing(self, token_ids, hits, cache_salt: Optional[str] = None) -> bool:
+        """Is the block right after the hit (a full block, not the last token's) being computed
+        by a running sequence at this moment? Then waiting a step or two turns it into a hit
+        instead of computing the same prefix twice."""
+        i = len(hits)
+        if i >= num_cacheable_blocks(len(token_ids), self.block_size) or not self.pending:
+            return False
+        parent = self.pool.block_entry[hits[-1]] if hits else None
+        bs = self.block_size
+        key = hash_block_tokens(None if parent is None else parent.key,
+                                token_ids[i * bs:(i + 1) * bs], cache_salt)
+        return key in self.pending
+
+    def mark_pending(self, seq_id, token_ids, cache_salt: Optional[str] = None) -> None:
+        """After admission: the keys of the full blocks of token_ids that seq_id will compute
+        (after its hit), so `is_computing` can tell a newcomer with the same prefix to wait."""
+        bs, entries = self.block_size, self.entries.get(seq_id, [])
+        parent_key = entries[-1].key if entries else None
+        todo = []
+        for i in range(len(entries), len(token_ids) // bs):
+            parent_key = hash_block_tokens(parent_key, token_ids[i * bs:(i + 1) * bs], cache_salt)
+            todo.append((i, parent_key))
+            self.pending.setdefault(parent_key, seq_id)
+        self._clear_pending(seq_id)
+        self.pending_by_seq[seq_id] = todo
+
+    def _clear_pending(self, seq_id, below: Optional[int] = None) -> None:
+        """Forget seq_id's pending keys (those of blocks with index < below, or all)."""
+        todo = self.pending_by_seq.get(seq_id)
+        while todo and (below is None or todo[0][0] < below):
+            _, key = todo.pop(0)
+            if self.pending.get(key) == seq_id:
+                del self.pending[key]
+        if not todo:
+            self.pending_by_seq.pop(seq_id, None)
 
     # --- allocation ------------------------------------------------------------------------------
     def blocks_needed(self, seq_id, num_tokens: int, cached_blocks=()) -> int:
@@ -288,6 +329,7 @@ class PrefixCachingBlockManager(BlockManager):
                 break
             entries.append(entry)
             added += entry.block_id == table[i]
+        self._clear_pending(seq_id, None if seq_id in self.chain_broken else len(entries))
         return added
 
     def fork(self, parent_id, child_id) -> None:
@@ -299,6 +341,7 @@ class PrefixCachingBlockManager(BlockManager):
     def free(self, seq_id) -> None:
         super().free(seq_id)                                 # tail first: deepest evicted first
         self.entries.pop(seq_id, None)
+        self._clear_pending(seq_id)
         self.chain_broken.discard(seq_id)
 
     def reset_prefix_cache(self) -> int:

@@ -9,7 +9,12 @@ Outputs come back in prompt order, one RequestOutput per prompt. With SamplingPa
 samples are in `outs[i].outputs` (a list of n CompletionOutputs); `outs[i].text` etc. are the
 first sample's. A prompt the engine refuses (empty, longer than the context, can never fit in
 the KV pool, ...) gets finish_reason "error" and the reason in `outs[i].error`; the other
-prompts are unaffected. Invalid arguments to `generate` itself (a list of SamplingParams of the
+prompts are unaffected.
+
+Prefix caching is on by default (as in vLLM) and lives across generate() calls;
+`outs[i].num_cached_tokens` says how many prompt tokens came from the cache. A prompt may be a
+dict {"prompt": text or "prompt_token_ids": ids, "cache_salt": "tenant-a"} (vLLM's form): only
+requests with the same salt share cached prefixes. Invalid arguments to `generate` itself (a list of SamplingParams of the
 wrong length) raise ValueError.
 """
 from __future__ import annotations
@@ -33,12 +38,9 @@ class LLM:
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = False, scheduling: str = "continuous",
+                 enable_prefix_caching: bool = True, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
                  device=None, dtype=None, clock=None):
-        if enable_prefix_caching:   # fail before loading anything
-            raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
-                             "does not implement it yet; pass enable_prefix_caching=False")
         if isinstance(model, tuple):
             model, tokenizer = model
         elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
@@ -55,16 +57,18 @@ class LLM:
                                 max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
+                                enable_prefix_caching=enable_prefix_caching,
                                 scheduling=scheduling, preemption=preemption, clock=clock)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                        None] = None,
                  use_tqdm: bool = True) -> list:
-        """prompts: a string, a list of strings, or a list of token-id lists. sampling_params:
-        one for all prompts or a list with one per prompt. Returns [RequestOutput] in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
+        """prompts: a string, a list of strings, or a list of token-id lists (each may also be a
+        dict with "prompt" or "prompt_token_ids" and "cache_salt"). sampling_params: one for all
+        prompts or a list with one per prompt. Returns [RequestOutput] in order."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -81,7 +85,8 @@ class LLM:
             rid = str(next(self._ids))
             ids.append(rid)
             try:
-                self.engine.add_request(rid, prompt, p)
+                prompt, salt = split_prompt(prompt)
+                self.engine.add_request(rid, prompt, p, cache_salt=salt)
             except ValueError as e:                      # this request only
                 results[rid] = RequestOutput.failed(rid, prompt, str(e))
         from tqdm.auto import tqdm
@@ -97,7 +102,23 @@ class LLM:
         bar.close()
         return [results[r] for r in ids]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes (e.g. to time a cold start)."""
+        return self.engine.reset_prefix_cache()
+
     def abort(self, request_id: str) -> bool:
         """Abort a request added through `self.engine.add_request` (generate() blocks, so its own
         requests finish before it returns)."""
         return self.engine.abort_request(request_id)
+
+
+def split_prompt(prompt):
+    """vLLM's dict prompt {"prompt" | "prompt_token_ids", "cache_salt"} -> (prompt, cache_salt)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids' and "
+                         f"may add 'cache_salt'; got keys {sorted(prompt)}")
+    text = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    return text, prompt.get("cache_salt")
