@@ -72,3 +72,36 @@ def _edges(t):
         node = stack.pop()
         yield node.key
         stack.extend(node.children.values())
+
+
+# --- replays: the two indexes on the same traces -----------------------------------------------
+
+def test_radix_hits_equal_hash_chain_at_block_size_1_and_beat_block_16():
+    from minillm.cache.prefix_sim import replay_hash_chain, replay_radix
+    from minillm.prefix_workloads import ideal_hit_rate, shared_prefix_prompts
+    prompts = shared_prefix_prompts(3, 5, system_len=21, question_len=6, vocab_size=50, seed=1)
+    radix, bs1, bs16 = replay_radix(prompts), replay_hash_chain(prompts, 1), replay_hash_chain(prompts, 16)
+    assert radix.hit_tokens == bs1.hit_tokens > bs16.hit_tokens > 0
+    assert bs16.hit_rate == pytest.approx(ideal_hit_rate(5, 21, 6, 16))
+    assert bs16.index_entries < radix.index_entries < bs1.index_entries
+    assert radix.index_bytes < bs1.index_bytes
+
+
+def test_longest_prefix_first_keeps_more_hits_under_memory_pressure():
+    from minillm.cache.prefix_sim import replay_radix
+    a, b = [1] * 30, [2] * 30
+    queue = [a + [i] for i in range(3)] + [b + [i] for i in range(3)]
+    queue = [queue[i] for i in (0, 3, 1, 4, 2, 5)]                   # groups alternate
+    fcfs = replay_radix(queue, capacity_tokens=40, batch_size=1, policy="fcfs")
+    lpm = replay_radix(queue, capacity_tokens=40, batch_size=1, policy="lpm")
+    assert lpm.hit_tokens > fcfs.hit_tokens
+    with pytest.raises(ValueError, match="policy"):
+        replay_radix(queue, policy="random")
+
+
+def test_match_without_touch_changes_nothing():
+    t = RadixCache()
+    t.insert([1, 2, 3, 4])
+    before = (t.num_nodes, t.root.children[1].last_access)
+    assert t.match_prefix([1, 2, 9], touch=False)[0] == 2
+    assert (t.num_nodes, t.root.children[1].last_access) == before

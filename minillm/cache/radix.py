@@ -61,11 +61,21 @@ class RadixCache:
         self._clock = itertools.count(1)
 
     # --- lookup ----------------------------------------------------------------------------------
-    def match_prefix(self, tokens) -> tuple[int, RadixNode]:
+    def match_prefix(self, tokens, touch: bool = True) -> tuple[int, RadixNode]:
         """(length of the longest cached prefix of tokens, the node where it ends). An edge
-        matched part-way is split so the returned node ends exactly at the match."""
+        matched part-way is split so the returned node ends exactly at the match. touch=False
+        only looks (no split, no LRU update): the returned node may then end past the match."""
         tokens = tuple(tokens)
-        node, matched, now = self.root, 0, next(self._clock)
+        node, matched = self.root, 0
+        if not touch:
+            while matched < len(tokens) and tokens[matched] in node.children:
+                child = node.children[tokens[matched]]
+                n = _common_length(child.key, tokens[matched:])
+                node, matched = child, matched + n
+                if n < len(child.key):
+                    break
+            return matched, node
+        now = next(self._clock)
         node.last_access = now
         while matched < len(tokens):
             child = node.children.get(tokens[matched])
