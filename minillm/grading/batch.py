@@ -116,15 +116,22 @@ def _run(path_nb: Path, work: Path, timeout: float, cell_timeout: float, kernel:
     proc = subprocess.Popen([sys.executable, supervisor.__file__, str(config)], cwd=str(work),
                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+    tracked: dict = {}
+    deadline = time.monotonic() + timeout + STARTUP_TIMEOUT + 90
     try:
-        out, _ = proc.communicate(timeout=timeout + STARTUP_TIMEOUT + 90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        out = b""
+        while proc.poll() is None and time.monotonic() < deadline:
+            supervisor.track(tracked, root=proc.pid, session=proc.pid, marker=marker)
+            try:
+                proc.wait(timeout=0.3)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
     finally:
         # whatever survived the supervisor (which the submission may have killed)
-        supervisor.kill_processes(session=proc.pid, marker=marker)
+        supervisor.kill_processes(session=proc.pid, marker=marker, tracked=tracked)
+        proc.wait()
+    out = _read_available(proc.stdout)
     report = None
     for line in out.decode(errors="replace").splitlines()[::-1]:
         try:
@@ -141,6 +148,22 @@ def _run(path_nb: Path, work: Path, timeout: float, cell_timeout: float, kernel:
                else f"ended with status {proc.returncode}")
         status = f"stopped: the submission's supervisor was {how} (killed by the submission?)"
     return status, records
+
+
+def _read_available(stream, limit: int = 1 << 20) -> bytes:
+    """What the supervisor reported, without waiting on a writer that kept the pipe open."""
+    os.set_blocking(stream.fileno(), False)
+    data = b""
+    try:
+        while len(data) < limit:
+            chunk = stream.read(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    except (BlockingIOError, OSError):
+        pass
+    stream.close()
+    return data
 
 
 def grade_submission(path: Path, sets: list[ProblemSet], timeout: float = 300,

@@ -12,9 +12,10 @@ The process tree of one submission, and why it has these levels:
            └─ kernel the learner's code: os.kill(os.getppid(), ...) reaches the driver, never
                      the batch
 
-Every process of the run carries MINILLM_GRADE_RUN=<token> in its environment; whatever is still
-alive at the end (processes re-parented away when the supervisor itself was killed included) is
-found by that marker in /proc and killed, by the supervisor and again by the batch.
+Every process of the run carries MINILLM_GRADE_RUN=<token> in its environment. While the run
+goes on, the batch also polls /proc and remembers every process of the supervisor's subtree and
+session. At the end, whatever is still alive (processes re-parented away because the submission
+killed the supervisor itself included) is killed by the supervisor, then again by the batch.
 
 This file imports only the standard library at the top (nbclient inside the driver), so it
 starts fast as a script and never imports minillm or torch.
@@ -45,7 +46,7 @@ def become_subreaper() -> bool:
 
 
 def process_table() -> dict:
-    """{pid: (ppid, session id, state)} of every process this user can see."""
+    """{pid: (ppid, session id, state, start time)} of every process this user can see."""
     table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -56,13 +57,13 @@ def process_table() -> dict:
         except OSError:
             continue
         fields = data[data.rindex(")") + 2:].split()
-        table[int(name)] = (int(fields[1]), int(fields[3]), fields[0])
+        table[int(name)] = (int(fields[1]), int(fields[3]), fields[0], int(fields[19]))
     return table
 
 
 def descendants(root: int, table: dict) -> set:
     children: dict = {}
-    for pid, (ppid, _, _) in table.items():
+    for pid, (ppid, *_) in table.items():
         children.setdefault(ppid, []).append(pid)
     found, todo = set(), [root]
     while todo:
@@ -81,10 +82,30 @@ def carries_marker(pid: int, marker: str) -> bool:
         return False
 
 
-def kill_processes(root=None, session=None, marker=None, rounds: int = 200) -> int:
-    """SIGKILL every descendant of `root`, every process of `session` and every process whose
-    environment carries `marker`, until none is left (new ones forked meanwhile included).
-    Reaps the zombies that are this process's own children. Returns how many were killed."""
+def track(tracked: dict, root=None, session=None, marker=None) -> dict:
+    """Add to `tracked` ({pid: start time}) every process that belongs to a run: descendants of
+    `root` or of a process already tracked, processes of `session`, carriers of `marker`.
+    Polled while a run goes on, this remembers processes that a killed supervisor orphaned."""
+    table = process_table()
+    found = set(descendants(root, table)) if root is not None else set()
+    for pid, (_, sid, _, start) in table.items():
+        if tracked.get(pid) == start or (session is not None and sid == session) or \
+                (marker is not None and carries_marker(pid, marker)):
+            found.add(pid)
+    for pid in list(found):
+        found |= descendants(pid, table)
+    found.discard(os.getpid())
+    for pid in found:
+        tracked[pid] = table[pid][3]
+    return tracked
+
+
+def kill_processes(root=None, session=None, marker=None, tracked=None, rounds: int = 200) -> int:
+    """SIGKILL every descendant of `root`, every process of `session`, every process whose
+    environment carries `marker`, and every process of `tracked` ({pid: start time}, the same
+    start time: not a new process that reuses the pid) with its descendants, until none is left
+    (new ones forked meanwhile included). Reaps the zombies that are this process's own
+    children. Returns how many were killed."""
     me = os.getpid()
     killed = set()
     for _ in range(rounds):
@@ -92,12 +113,15 @@ def kill_processes(root=None, session=None, marker=None, rounds: int = 200) -> i
         victims = set()
         if root is not None:
             victims |= descendants(root, table)
-        for pid, (_, sid, _) in table.items():
+        for pid, (_, sid, _, start) in table.items():
             if (session is not None and sid == session) or \
-                    (marker is not None and carries_marker(pid, marker)):
+                    (marker is not None and carries_marker(pid, marker)) or \
+                    (tracked is not None and tracked.get(pid) == start):
                 victims.add(pid)
+        for pid in list(victims):
+            victims |= descendants(pid, table)
         victims.discard(me)
-        alive = {p for p in victims if table.get(p, (0, 0, "Z"))[2] not in ("Z", "X")}
+        alive = {p for p in victims if table.get(p, (0, 0, "Z", 0))[2] not in ("Z", "X")}
         for pid in alive:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -140,6 +164,7 @@ def _drive(cfg: dict, send) -> str:
 async def _execute(nb, cfg: dict, send) -> str:
     import subprocess
 
+    import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
@@ -154,6 +179,11 @@ async def _execute(nb, cfg: dict, send) -> str:
     try:
         # the kernel's own stderr (start-up warnings, C-level noise) would clutter the log
         async with client.async_setup_kernel(env=dict(os.environ), stderr=subprocess.DEVNULL):
+            # Importing minillm (torch) takes seconds; it happens here, before the clock starts,
+            # so that the per-cell limit measures the learner's cells, not the import.
+            client.timeout = int(cfg["startup_timeout"])
+            await client.async_execute_cell(nbformat.v4.new_code_cell(cfg.get(
+                "warm_up", "import minillm.grading")), 0)
             deadline = time.monotonic() + timeout           # kernel start-up does not count
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":

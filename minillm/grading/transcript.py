@@ -180,8 +180,16 @@ def _object(value, register):
     return {"__object__": register(value), "type": type(value).__name__[:100]}
 
 
-class BadRecord(Exception):
-    """The transcript holds something that is not valid plain data."""
+class BadRecord(ReplayEnd):
+    """The transcript holds something that is not valid plain data (ends the check, like
+    ReplayEnd, so that no check's `except Exception` can take it for the learner's error)."""
+
+    def __init__(self, detail: str):
+        ReplayEnd.__init__(self, "invalid")
+        self.detail = detail
+
+    def __str__(self):
+        return self.detail
 
 
 def decode(data, channel):
@@ -578,6 +586,8 @@ def replay_outcome(check, record: Optional[dict]):
     try:
         ok, message = _run_check(check, stand_in)
     except ReplayEnd as end:
+        if end.reason == "invalid":
+            return False, f"the recorded answers are not valid ({end})"
         if end.reason == "mismatch":
             return False, ("the grader's questions differ from those your notebook answered "
                            "(was the grader changed in the notebook?)")
@@ -586,8 +596,6 @@ def replay_outcome(check, record: Optional[dict]):
             return False, "did not finish within the time limit (an infinite loop, or far too slow?)"
         return False, ("crashed: " + why) if why else (
             "did not finish: the process running it stopped before your code answered")
-    except BadRecord as exc:
-        return False, f"the recorded answers are not valid ({exc})"
     except BaseException as exc:              # a replayed KeyboardInterrupt and the like
         if isinstance(exc, KeyboardInterrupt) and not hasattr(exc, "_minillm_where"):
             raise
