@@ -14,7 +14,9 @@ exceptions, time-outs and crashes into failed checks with a message; report() pr
       FAIL  keeps the smallest set reaching p: for p=0.5 ... you kept ...
     [minillm-grade] ch00.top_p 4/5
 
-The last line is the machine-readable grade line that `python -m minillm.grading` parses.
+The last line is a machine-readable grade line for self-study tools. The instructor's batch
+grader does not read it: in a submission it runs, grade() also records the learner's answers
+(transcript.py) and the batch computes every grade again from that record (batch.py).
 """
 from __future__ import annotations
 
