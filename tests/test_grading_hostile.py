@@ -342,3 +342,32 @@ def test_policy_flags_minillms_own_implementation_and_not_the_solutions():
     assert "uses minillm" in reference_use(nb, ch01.KV_BYTES)
     run = {"origin": {"module": "minillm.kvmath", "qualname": "kv_bytes_per_token"}}
     assert "minillm's own minillm.kvmath" in reference_use(_read(SOLUTION), ch01.KV_BYTES, run)
+
+
+# ------------------------------------------------------------------ the command itself
+
+def test_rows_are_written_as_each_submission_finishes(tmp_path):
+    from minillm.grading.batch import grade_folder
+    subs = tmp_path / "subs"
+    subs.mkdir()
+    for name in ("a_01_kv_cache_math.ipynb", "b_01_kv_cache_math.ipynb", "c_no_set.ipynb"):
+        (subs / name).write_text("{ not a notebook")
+    out = tmp_path / "scores.csv"
+    seen = []
+
+    def log(line):                       # called after each row: the file must hold it already
+        with open(out, newline="") as f:
+            seen.append(len(list(csv.reader(f))) - 1)
+
+    rows = grade_folder(ROOT / "exercises", subs, out, log=log)
+    assert seen == [1, 2, 3] and len(rows) == 3
+    assert "names no problem set" in rows[2].status
+
+
+def test_limits_that_cannot_work_together_are_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "minillm.grading", str(ROOT / "exercises"),
+                           "--submissions", str(tmp_path), "--cell-timeout", "5",
+                           "--check-time-limit", "10"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "--cell-timeout (5 s) must be longer than --check-time-limit (10 s)" in proc.stderr

@@ -251,9 +251,13 @@ def grade_folder(exercises_dir, submissions_dir, out_csv=None, timeout: float = 
         for path in paths:
             name = str(path.relative_to(root))
             start = time.monotonic()
-            row = grade_submission(path, sets, timeout, kernel, check_time_limit,
-                                   Path(executed_dir) if executed_dir else None, name,
-                                   cell_timeout)
+            try:
+                row = grade_submission(path, sets, timeout, kernel, check_time_limit,
+                                       Path(executed_dir) if executed_dir else None, name,
+                                       cell_timeout)
+            except Exception as exc:              # a grader bug must not cost later rows
+                row = Row(submission=name, status=f"not graded: the grader failed: "
+                                                  f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
             if writer:
                 writer.writerow(csv_row(row, cols))

@@ -182,8 +182,13 @@ async def _execute(nb, cfg: dict, send) -> str:
             # Importing minillm (torch) takes seconds; it happens here, before the clock starts,
             # so that the per-cell limit measures the learner's cells, not the import.
             client.timeout = int(cfg["startup_timeout"])
-            await client.async_execute_cell(nbformat.v4.new_code_cell(cfg.get(
-                "warm_up", "import minillm.grading")), 0)
+            client.interrupt_on_timeout = False
+            try:
+                await client.async_execute_cell(nbformat.v4.new_code_cell(cfg.get(
+                    "warm_up", "import minillm.grading")), 0)
+            except CellTimeoutError:
+                return (f"stopped: the kernel did not import minillm within "
+                        f"{cfg['startup_timeout']:g} s")
             deadline = time.monotonic() + timeout           # kernel start-up does not count
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
