@@ -27,7 +27,7 @@ from minillm.grading.testing import function_from_notebook
 ROOT = Path(__file__).resolve().parents[1]
 SOLUTION = ROOT / "solutions" / "01_kv_cache_math.ipynb"
 EXERCISE = ROOT / "exercises" / "01_kv_cache_math.ipynb"
-IDS = [e.id for e in ch01.EXERCISES]                  # ch01.kv_bytes_per_token, ch01.max_concurrency
+IDS = [e.id for e in ch01.EXERCISES]              # ch01.kv_bytes_per_token, ch01.max_concurrency
 FULL = {e.id: e.max for e in ch01.EXERCISES}
 TOKEN = secrets.token_hex(8)                           # carried by every process the run starts
 
@@ -89,7 +89,8 @@ import minillm.grading.core as core
 from minillm.grading import ch01
 core._run_check = lambda check, learner: (True, "")            # every check passes, locally
 ch01.check_kv_bytes_per_token = lambda fn, time_limit=None: print(
-    "kv_bytes_per_token: 6/6 checks passed. Full marks.\\n[minillm-grade] ch01.kv_bytes_per_token 6/6")
+    "kv_bytes_per_token: 6/6 checks passed. Full marks.\\n"
+    "[minillm-grade] ch01.kv_bytes_per_token 6/6")
 core.GradeResult.score = property(lambda self: len(self.outcomes))
 """
 
@@ -140,7 +141,8 @@ def _submissions(folder: Path) -> dict:
     add("stale_sigkill", _insert(_stale(), "from minillm.grading import ch01",
                                  "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"),
         {i: 0 for i in IDS}, "kernel died in cell")
-    add("stale_loop", _insert(_stale(), "from minillm.grading import ch01", "while True:\n    pass"),
+    add("stale_loop", _insert(_stale(), "from minillm.grading import ch01",
+                              "while True:\n    pass"),
         {i: 0 for i in IDS}, "ran past the cell time limit")
     # the grader patched in the notebook, forged lines printed; the functions are wrong
     nb = _insert(_read(SOLUTION), "from minillm.grading import ch01", PATCH, after=True)
@@ -321,7 +323,8 @@ def test_a_check_that_never_answered_fails_with_the_recorded_reason(tmp_path):
         grade(ch01.KV_BYTES, loops, time_limit=1)
     finally:
         del os.environ[transcript.RECORD_ENV]
-    result = transcript.grade_recorded(ch01.KV_BYTES, transcript.read_records(path)[ch01.KV_BYTES.id])
+    run = transcript.read_records(path)[ch01.KV_BYTES.id]
+    result = transcript.grade_recorded(ch01.KV_BYTES, run)
     assert result.score == 0
     assert "time limit" in result.messages[0] and "not run" in result.messages[1]
     none = transcript.grade_recorded(ch01.KV_BYTES, None)

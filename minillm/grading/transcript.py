@@ -593,7 +593,8 @@ def replay_outcome(check, record: Optional[dict]):
                            "(was the grader changed in the notebook?)")
         why = record.get("stopped")
         if why == "timeout":
-            return False, "did not finish within the time limit (an infinite loop, or far too slow?)"
+            return False, ("did not finish within the time limit (an infinite loop, or far "
+                           "too slow?)")
         return False, ("crashed: " + why) if why else (
             "did not finish: the process running it stopped before your code answered")
     except BaseException as exc:              # a replayed KeyboardInterrupt and the like
