@@ -310,6 +310,15 @@ def test_forged_and_broken_records_fail_without_crashing(tmp_path):
     big.write_bytes(b" " * 2048)
     with pytest.raises(transcript.BadRecord, match="more than"):
         transcript.read_records(big, limit=1024)
+    # a submission could replace its record by a FIFO (reading would block) or a symlink
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+    with pytest.raises(transcript.BadRecord, match="not in a regular file"):
+        transcript.read_records(fifo)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(path)
+    with pytest.raises(OSError):
+        transcript.read_records(link)
 
 
 def test_a_check_that_never_answered_fails_with_the_recorded_reason(tmp_path):

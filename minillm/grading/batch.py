@@ -34,7 +34,8 @@ from . import supervisor
 from .core import Exercise, GradeResult
 from .policy import reference_use
 from .timelimit import default_time_limit
-from .transcript import RECORD_ENV, BadRecord, grade_recorded, read_records
+from .transcript import (MAX_RECORD_BYTES, RECORD_ENV, BadRecord, grade_recorded,
+                         read_records, read_regular_file)
 
 _CHAPTER = re.compile(r"^(\d{2})_")
 
@@ -187,7 +188,7 @@ def grade_submission(path: Path, sets: list[ProblemSet], timeout: float = 300,
     except Exception as exc:
         row.status = f"not a readable notebook: {type(exc).__name__}: {str(exc)[:200]}"
         return row
-    with tempfile.TemporaryDirectory(prefix="minillm-grade-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="minillm-grade-", ignore_cleanup_errors=True) as tmp:
         work = Path(tmp)
         cleared = work / "submission.ipynb"
         nbformat.write(_cleared(nb), str(cleared))
@@ -206,10 +207,15 @@ def grade_submission(path: Path, sets: list[ProblemSet], timeout: float = 300,
         flags = [f for f in flags if f]
         if flags:
             row.status += "; policy: " + "; ".join(flags)
-        if executed is not None and executed.exists():
-            executed_dir.mkdir(parents=True, exist_ok=True)
-            flat = (name or path.name).replace("/", "__").replace(os.sep, "__")
-            (executed_dir / flat).write_bytes(executed.read_bytes())
+        if executed is not None:
+            try:
+                data = read_regular_file(executed, MAX_RECORD_BYTES, "the executed notebook")
+            except (BadRecord, OSError):
+                data = None
+            if data is not None:
+                executed_dir.mkdir(parents=True, exist_ok=True)
+                flat = (name or path.name).replace("/", "__").replace(os.sep, "__")
+                (executed_dir / flat).write_bytes(data)
     return row
 
 

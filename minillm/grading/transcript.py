@@ -33,6 +33,7 @@ import inspect
 import io
 import json
 import os
+import stat
 import sys
 import uuid
 from typing import Any, Callable, Optional
@@ -297,11 +298,14 @@ def decode_exception(data, depth: int = 0) -> BaseException:
         except TypeError:                     # a base that cannot be subclassed
             _EXC_CLASSES[key] = type(name, (Exception,), {"__str__": lambda self: self._message,
                                                           "__module__": "learner"})
-    cls = _EXC_CLASSES[key]
     try:
-        exc = cls(message)
-    except Exception:
-        exc = cls.__new__(cls)
+        exc = _EXC_CLASSES[key](message)
+    except Exception:                         # a base whose constructor wants other arguments
+        fallback = (name, Exception)
+        if fallback not in _EXC_CLASSES:
+            _EXC_CLASSES[fallback] = type(name, (Exception,), {
+                "__str__": lambda self: self._message, "__module__": "learner"})
+        exc = _EXC_CLASSES[fallback](message)
     exc._message = message
     exc._minillm_where = _str(data.get("where", ""))
     if data.get("cause") is not None:
@@ -482,12 +486,14 @@ class ReplayChannel(_Channel):
 
 def origin(learner) -> dict:
     """Where the submitted object comes from (for the course policy on minillm's own code)."""
-    target = learner
-    info = {"module": str(getattr(target, "__module__", "") or "")[:200],
-            "qualname": str(getattr(target, "__qualname__", "") or "")[:200]}
     try:
-        info["file"] = str(inspect.getsourcefile(target) or "")[:300]
-    except (TypeError, OSError):
+        info = {"module": str(getattr(learner, "__module__", "") or "")[:200],
+                "qualname": str(getattr(learner, "__qualname__", "") or "")[:200]}
+    except Exception:
+        return {}
+    try:
+        info["file"] = str(inspect.getsourcefile(learner) or "")[:300]
+    except Exception:
         info["file"] = ""
     return info
 
@@ -534,42 +540,63 @@ def recorder_from_env(exercise_id: str, num_checks: int, learner) -> Optional[Re
 
 # =========================================================================== the trusted side
 
+def read_regular_file(path, limit: int, what: str) -> bytes:
+    """The bytes of `path`, which the submission could have replaced: never follows a symlink,
+    never blocks on a FIFO or device, never reads more than `limit` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadRecord(f"{what} are not in a regular file")
+        if info.st_size > limit:
+            raise BadRecord(f"{what} take {info.st_size:,} bytes, more than the {limit:,} "
+                            "allowed")
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise BadRecord(f"{what} take more than the {limit:,} bytes allowed")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_records(path, limit: int = MAX_RECORD_BYTES) -> dict:
     """{exercise id: its last run} from a transcript file; a run is {"origin": {...}, "checks":
     {index: {"io": [records in order], "stopped": why or None}}}. Raises BadRecord when the file
     is larger than `limit`; lines that are not valid JSON objects are skipped."""
-    size = os.path.getsize(path)
-    if size > limit:
-        raise BadRecord(f"the recorded answers take {size:,} bytes, more than the {limit:,} "
-                        "allowed")
+    data = read_regular_file(path, limit, "the recorded answers")
     runs: dict = {}
     last_run_of: dict = {}
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                rec = json.loads(raw)
-            except (ValueError, RecursionError):
-                continue
-            if not isinstance(rec, dict) or not isinstance(rec.get("run"), str):
-                continue
-            kind = rec.get("t")
-            if kind == "run" and isinstance(rec.get("exercise"), str):
-                origin_info = rec.get("origin") if isinstance(rec.get("origin"), dict) else {}
-                runs[rec["run"]] = {"exercise": rec["exercise"], "origin": origin_info,
-                                    "checks": {}}
-                last_run_of[rec["exercise"]] = rec["run"]
-                continue
-            run = runs.get(rec["run"])
-            index = rec.get("check")
-            if run is None or not isinstance(index, int) or isinstance(index, bool):
-                continue
-            check = run["checks"].setdefault(index, {"io": [], "stopped": None, "done": False})
-            if kind == "io":
-                check["io"].append(rec)
-            elif kind == "stopped" and isinstance(rec.get("why"), str):
-                check["stopped"] = rec["why"]
-            elif kind == "done":
-                check["done"] = True
+    for raw in data.splitlines():
+        try:
+            rec = json.loads(raw)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get("run"), str):
+            continue
+        kind = rec.get("t")
+        if kind == "run" and isinstance(rec.get("exercise"), str):
+            origin_info = rec.get("origin") if isinstance(rec.get("origin"), dict) else {}
+            runs[rec["run"]] = {"exercise": rec["exercise"], "origin": origin_info,
+                                "checks": {}}
+            last_run_of[rec["exercise"]] = rec["run"]
+            continue
+        run = runs.get(rec["run"])
+        index = rec.get("check")
+        if run is None or not isinstance(index, int) or isinstance(index, bool):
+            continue
+        check = run["checks"].setdefault(index, {"io": [], "stopped": None, "done": False})
+        if kind == "io":
+            check["io"].append(rec)
+        elif kind == "stopped" and isinstance(rec.get("why"), str):
+            check["stopped"] = rec["why"]
+        elif kind == "done":
+            check["done"] = True
     return {ex: runs[run] for ex, run in last_run_of.items()}
 
 
