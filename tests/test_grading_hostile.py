@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from minillm.grading import Check, Exercise, ch01, grade, transcript
+from minillm.grading import Check, Exercise, ch01, ch03, grade, transcript
 from minillm.grading.policy import reference_use
 from minillm.grading.testing import function_from_notebook
 
@@ -166,6 +166,10 @@ def _submissions(folder: Path) -> dict:
     # detached children that must not outlive the run; the answers are right
     add("detach", _insert(_read(SOLUTION), "check_max_concurrency", DETACH, after=True), FULL,
         "left behind were killed")
+    # an honest problem set whose learner code is a class and a Triton kernel (chapter 03):
+    # instances and method calls are recorded, the kernel runs under the interpreter
+    nbformat.write(_read(ROOT / "solutions" / "03_paged_blocks.ipynb"),
+                   str(folder / "honest_03_paged_blocks.ipynb"))
     # an infinite loop in the first exercise: the second one is still graded
     add("loop_early", _replace_body(_read(SOLUTION), "kv_bytes_per_token", "while True:\n    pass"),
         {IDS[0]: 0, IDS[1]: FULL[IDS[1]]}, "ran past the cell time limit")
@@ -200,13 +204,14 @@ def batch(tmp_path_factory):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "minillm.grading", str(ROOT / "exercises"),
                            "--submissions", str(subs_dir), "--out", str(out), "--timeout", "90",
-                           "--check-time-limit", "4", "--cell-timeout", "10"],
+                           "--check-time-limit", "4", "--cell-timeout", "10",
+                           "--feedback", str(folder / "feedback")],
                           capture_output=True, text=True, timeout=900, cwd=folder, env=env)
     elapsed = time.monotonic() - start
     left = _processes_with(f"HOSTILE_MARK={TOKEN}")
     with open(out, newline="") as f:
         rows = {r["submission"]: r for r in csv.DictReader(f)}
-    yield proc, rows, expected, left, elapsed
+    yield proc, rows, expected, left, elapsed, folder / "feedback"
     for pid in left:                                   # never leave the machine dirty
         try:
             os.kill(pid, 9)
@@ -215,9 +220,9 @@ def batch(tmp_path_factory):
 
 
 def test_batch_completes_with_a_row_per_submission(batch):
-    proc, rows, expected, _, elapsed = batch
+    proc, rows, expected, _, elapsed, _ = batch
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert set(rows) == set(expected), proc.stdout
+    assert set(rows) == set(expected) | {"honest_03_paged_blocks.ipynb"}, proc.stdout
     assert f"wrote {len(expected)} rows" in proc.stdout
     assert elapsed < 600
     print(proc.stdout)                                # per-submission status and seconds
@@ -227,7 +232,7 @@ def test_batch_completes_with_a_row_per_submission(batch):
                                   "patched", "exit0", "kill_parent", "kill_parents", "detach",
                                   "loop_early"])
 def test_hostile_submission_scores_only_what_its_code_earns(batch, name):
-    proc, rows, expected, _, _ = batch
+    proc, rows, expected, _, _, _ = batch
     file = f"{name}_01_kv_cache_math.ipynb"
     row, (scores, status) = rows[file], expected[file]
     got = {i: int(row[i]) for i in IDS}
@@ -239,8 +244,26 @@ def test_hostile_submission_scores_only_what_its_code_earns(batch, name):
         assert status in row["status"], row["status"]
 
 
+def test_an_honest_class_and_triton_problem_set_scores_full_marks(batch):
+    _, rows, _, _, _, _ = batch
+    row = rows["honest_03_paged_blocks.ipynb"]
+    assert row["status"] == "ok", row
+    assert row["total"] == row["max"] == str(sum(e.max for e in ch03.EXERCISES)), row
+
+
+def test_feedback_holds_the_grades_computed_by_the_batch(batch):
+    *_, feedback = batch
+    honest = (feedback / "honest_forged_01_kv_cache_math.txt").read_text()
+    assert "12/12" in honest and honest.count("Full marks") == len(IDS)
+    patched = (feedback / "patched_01_kv_cache_math.txt").read_text()
+    assert "0/12" in patched and "Full marks" not in patched
+    assert "you returned 0, expected" in patched          # the batch's own message, not the
+    loop = (feedback / "loop_early_01_kv_cache_math.txt").read_text()    # notebook's print
+    assert "did not finish within the time limit" in loop
+
+
 def test_no_process_of_the_run_is_left(batch):
-    _, _, _, left, _ = batch
+    _, _, _, left, _, _ = batch
     assert left == [], f"processes left behind: {left}"
 
 

@@ -28,11 +28,14 @@ def main(argv=None) -> int:
     ap.add_argument("--kernel", default="python3", help="Jupyter kernel name (default python3)")
     ap.add_argument("--executed", default=None,
                     help="folder to save the executed notebooks in, for inspection")
+    ap.add_argument("--feedback", default=None,
+                    help="folder to write one text report per submission into: the grades "
+                         "computed by this command, with each failed check's message")
     args = ap.parse_args(argv)
     try:
         rows = grade_folder(args.exercises, args.submissions, args.out, args.timeout,
                             args.kernel, args.check_time_limit, args.executed,
-                            cell_timeout=args.cell_timeout)
+                            cell_timeout=args.cell_timeout, feedback_dir=args.feedback)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

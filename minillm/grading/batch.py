@@ -127,7 +127,10 @@ def _run(path_nb: Path, work: Path, timeout: float, cell_timeout: float, kernel:
             except subprocess.TimeoutExpired:
                 pass
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     finally:
         # whatever survived the supervisor (which the submission may have killed)
         supervisor.kill_processes(session=proc.pid, marker=marker, tracked=tracked)
@@ -234,12 +237,24 @@ def check_limits(timeout: float, check_time_limit: Optional[float],
                          "the check time limit")
 
 
+def write_feedback(row: Row, folder: Path) -> None:
+    """The grades computed here, one report per exercise with every failed check's message."""
+    folder.mkdir(parents=True, exist_ok=True)
+    flat = row.submission.replace("/", "__").replace(os.sep, "__")
+    text = [f"{row.submission} ({row.problem_set or 'no problem set'}): "
+            f"{sum(row.scores.values())}/{sum(row.maxima.values())}", f"status: {row.status}", ""]
+    text += [str(result) + "\n" for result in row.results.values()]
+    (folder / (Path(flat).stem + ".txt")).write_text("\n".join(text), encoding="utf-8")
+
+
 def grade_folder(exercises_dir, submissions_dir, out_csv=None, timeout: float = 300,
                  kernel: str = "python3", check_time_limit: Optional[float] = None,
-                 executed_dir=None, log=print, cell_timeout: Optional[float] = None) -> list[Row]:
+                 executed_dir=None, log=print, cell_timeout: Optional[float] = None,
+                 feedback_dir=None) -> list[Row]:
     """Grade every notebook under `submissions_dir`. With `out_csv`, the CSV is written row by
     row, each row as soon as its submission is graded (flushed), so a run cut short keeps the
-    rows it finished."""
+    rows it finished. With `feedback_dir`, each submission also gets a text report of the
+    grades computed here (the messages of the failed checks included)."""
     check_limits(timeout, check_time_limit, cell_timeout)
     sets = problem_sets(exercises_dir)
     root = Path(submissions_dir)
@@ -265,6 +280,8 @@ def grade_folder(exercises_dir, submissions_dir, out_csv=None, timeout: float = 
                 row = Row(submission=name, status=f"not graded: the grader failed: "
                                                   f"{type(exc).__name__}: {str(exc)[:200]}")
             rows.append(row)
+            if feedback_dir is not None:
+                write_feedback(row, Path(feedback_dir))
             if writer:
                 writer.writerow(csv_row(row, cols))
                 out.flush()

@@ -298,6 +298,10 @@ def supervise(cfg: dict, report) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Run as a script, this file's folder comes first on sys.path; its modules (core.py,
+    # testing.py, ...) must not shadow those nbclient and its dependencies import.
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
     with open(argv[0]) as f:
         cfg = json.load(f)
     report = os.fdopen(os.dup(1), "w")          # to the batch; nobody below inherits it
