@@ -223,7 +223,7 @@ def test_batch_completes_with_a_row_per_submission(batch):
     proc, rows, expected, _, elapsed, _ = batch
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(rows) == set(expected) | {"honest_03_paged_blocks.ipynb"}, proc.stdout
-    assert f"wrote {len(expected)} rows" in proc.stdout
+    assert f"wrote {len(rows)} rows" in proc.stdout
     assert elapsed < 600
     print(proc.stdout)                                # per-submission status and seconds
 
@@ -257,8 +257,9 @@ def test_feedback_holds_the_grades_computed_by_the_batch(batch):
     assert "12/12" in honest and honest.count("Full marks") == len(IDS)
     patched = (feedback / "patched_01_kv_cache_math.txt").read_text()
     assert "0/12" in patched and "Full marks" not in patched
-    assert "you returned 0, expected" in patched          # the batch's own message, not the
-    loop = (feedback / "loop_early_01_kv_cache_math.txt").read_text()    # notebook's print
+    assert "was the grader changed in the notebook?" in patched       # the batch's own words,
+    assert "no check of this exercise ran" in patched                 # not the notebook's print
+    loop = (feedback / "loop_early_01_kv_cache_math.txt").read_text()
     assert "did not finish within the time limit" in loop
 
 

@@ -615,7 +615,7 @@ def replay_outcome(check, record: Optional[dict]):
     except ReplayEnd as end:
         if end.reason == "invalid":
             return False, f"the recorded answers are not valid ({end})"
-        if end.reason == "mismatch":
+        if end.reason == "mismatch" or record.get("done"):   # it finished without asking
             return False, ("the grader's questions differ from those your notebook answered "
                            "(was the grader changed in the notebook?)")
         why = record.get("stopped")
