@@ -400,10 +400,10 @@ def test_rows_are_written_as_each_submission_finishes(tmp_path):
     assert "names no problem set" in rows[2].status
 
 
-def test_limits_that_cannot_work_together_are_refused(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "minillm.grading", str(ROOT / "exercises"),
-                           "--submissions", str(tmp_path), "--cell-timeout", "5",
-                           "--check-time-limit", "10"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "--cell-timeout (5 s) must be longer than --check-time-limit (10 s)" in proc.stderr
+def test_limits_that_cannot_work_together_are_refused(tmp_path, capsys):
+    from minillm.grading.__main__ import main
+    code = main([str(ROOT / "exercises"), "--submissions", str(tmp_path), "--out",
+                 str(tmp_path / "s.csv"), "--cell-timeout", "5", "--check-time-limit", "10"])
+    assert code == 2
+    assert "--cell-timeout (5 s) must be longer than --check-time-limit (10 s)" in \
+        capsys.readouterr().err
