@@ -49,7 +49,7 @@ class ReplayEnd(BaseException):
 
     def __init__(self, reason: str):
         super().__init__(reason)
-        self.reason = reason                 # "exhausted" or "mismatch"
+        self.reason = reason                 # "exhausted", "mismatch" or "invalid"
 
 
 # =========================================================================== fingerprints
