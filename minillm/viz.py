@@ -6,6 +6,7 @@
     step_through(describe, run_a, run_b)                                       # a widget
     controls(widgets.interactive(f, ...))                # a widget with a readable placeholder
     median_spread(samples) -> (median, low, high)                              # noisy timings
+    memory_map_legend(ax)            # what solid, pale and white mean on a memory map (ch. 02-03)
 
 Nothing here imports the engine: the chapter 04 functions read the records of
 `minillm.engine.trace.run_trace` (plain dicts), and the block-table drawing reads a
@@ -69,6 +70,20 @@ def draw_block_tables(mgr, seqs, colors, ax=None):
     return ax
 
 
+def memory_map_legend(ax, **legend_kw):
+    """Legend for `minillm.cache.contiguous.plot_memory_map`: solid = written, pale = held but not
+    written, white = free (drawn in one example colour; every request has its own)."""
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+    solid = np.array(to_rgb("tab:blue"))
+    pale = 1 - 0.3 * (1 - solid)                 # the same blend plot_memory_map uses
+    handles = [Patch(color=solid, label="written (a colour per request)"),
+               Patch(color=pale, label="held, not written"),
+               Patch(facecolor="white", edgecolor="0.6", label="free")]
+    kw = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False) | legend_kw
+    return ax.legend(handles=handles, **kw)
+
+
 def slot_grid(run, slots: int):
     """[slots, steps] grid of request numbers (-1: empty slot) and the (step, slot) prefill cells.
 
@@ -97,8 +112,7 @@ def plot_timelines(runs, slots: int, title: str):
     """One slot timeline per run (colour = request, tick = prefill) above its waiting queue."""
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
-    colours = ListedColormap(plt.get_cmap("tab20").colors)
-    colours.set_bad("white")
+    colours = ListedColormap(plt.get_cmap("tab20").colors).with_extremes(bad="white")
     n = len(runs)
     most_waiting = max(len(rec["waiting"]) for run in runs for rec in run.steps)
     fig, axes = plt.subplots(2 * n, 1, figsize=(11, 2.6 * n + 1), sharex=True, layout="constrained",

@@ -83,3 +83,21 @@ def test_median_spread():
     assert viz.median_spread([3.0, 1.0, 2.0, 10.0]) == (2.5, 1.0, 10.0)
     with pytest.raises(ValueError):
         viz.median_spread([])
+
+
+def test_memory_map_legend_matches_the_map_colours():
+    from minillm.cache.contiguous import ContiguousArena, plot_memory_map, simulate_arena
+    from minillm.workloads import make_workload
+    work = make_workload(mix="sharegpt", num_requests=4, seed=0, context_len=256, rate=50.0,
+                         reserve="context")
+    trace = simulate_arena(work.requests, ContiguousArena(512), map_every=1)
+    ax = plot_memory_map(trace)
+    legend = viz.memory_map_legend(ax)
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["written (a colour per request)", "held, not written", "free"]
+    image = ax.get_images()[0].get_array()                  # [bins, snapshots, rgb]
+    solid, pale = (np.array(p.get_facecolor()[:3]) for p in legend.get_patches()[:2])
+    # request 0 is tab:blue in the map: both its written and its held-not-written colours appear
+    colours = {tuple(np.round(c, 6)) for c in image.reshape(-1, 3)}
+    assert tuple(np.round(solid, 6)) in colours and tuple(np.round(pale, 6)) in colours
+    plt.close(ax.figure)
