@@ -24,6 +24,7 @@ def model():
     return random_model(cfg, "cpu", torch.float32, seed=0, std=0.3)
 
 
+NO_PREFIX_CACHE = dict(enable_prefix_caching=False)   # count only tokens the model computes
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15], [16] * 9]
 MAX_TOKENS = [5, 12, 3, 8, 6]
 ARRIVE = [0, 0, 2, 3, 3]
@@ -31,7 +32,7 @@ ARRIVE = [0, 0, 2, 3, 3]
 
 def test_run_trace_records_what_the_engine_did(model):
     run = run_trace(model, "continuous", PROMPTS, MAX_TOKENS, ARRIVE, block_size=4,
-                    num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64)
+                    num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=64, **NO_PREFIX_CACHE)
     busy = [rec for rec in run.steps if rec["scheduled"]]
     # the engine's own per-step counts, one for one
     assert [rec["tokens"] for rec in busy] == [s.num_batched_tokens for s in run.engine.step_stats]
@@ -52,7 +53,7 @@ def test_run_trace_records_what_the_engine_did(model):
 def test_run_trace_records_preemption_victims(model):
     for mode in ("recompute", "swap"):
         run = run_trace(model, mode, PROMPTS, [30] * 5, [0] * 5, block_size=4, num_kv_blocks=12,
-                        max_num_seqs=4, max_num_batched_tokens=64, preemption=mode)
+                        max_num_seqs=4, max_num_batched_tokens=64, preemption=mode, **NO_PREFIX_CACHE)
         victims = [v for rec in run.steps for v in rec["preempted"]]
         assert len(victims) == run.engine.num_preemptions > 0
         for rec in run.steps:
@@ -73,7 +74,8 @@ def test_run_trace_rejects_mismatched_inputs_and_unfinished_runs(model):
 
 
 def test_describe_reads_the_record_and_uses_singulars(model):
-    run = run_trace(model, "one", [[1, 2, 3]], [3], [0], block_size=4, num_kv_blocks=8)
+    run = run_trace(model, "one", [[1, 2, 3]], [3], [0], block_size=4, num_kv_blocks=8,
+                    **NO_PREFIX_CACHE)
     text = describe(run, 1)                       # one decode token for one sequence
     assert "scheduled: 1 token for 1 sequence: r0 +1" in text
     assert "free KV blocks" in text and "/8" in text
@@ -86,7 +88,8 @@ def test_replay_schedules_like_the_engine(model):
     trace = [(a, f"r{i}", len(p), m) for i, (a, p, m) in enumerate(zip(ARRIVE, PROMPTS, MAX_TOKENS))]
     for budget, chunked in ((4, True), (64, False)):
         engine = LLMEngine(model, block_size=16, num_kv_blocks=64, max_num_seqs=4,
-                           max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+                           max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                           **NO_PREFIX_CACHE)
         pending, step = sorted(trace), 0
         while pending or engine.has_unfinished():
             while pending and pending[0][0] <= step:

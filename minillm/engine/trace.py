@@ -50,7 +50,9 @@ def run_trace(model, name: str, prompts, max_tokens, arrive, max_steps: int = 10
     computed_before {id: num_computed_tokens}; admitted_at {id: step}; tokens (the engine's own
     count, checked against the sum of scheduled); waiting / running / swapped after the step;
     free_blocks. Raises RuntimeError if the run has not finished after max_steps steps and
-    AssertionError if the engine leaks KV blocks.
+    AssertionError if the engine leaks KV blocks. Tokens served from a prefix cache would count
+    as computed without being in the step; pass enable_prefix_caching=False to count only the
+    model's work.
     """
     if not len(prompts) == len(max_tokens) == len(arrive):
         raise ValueError(f"prompts, max_tokens and arrive must have the same length, got "
