@@ -24,6 +24,11 @@ from ..sampling import top_k_filter, top_p_filter
 from .core import Check, Exercise
 from .core import Problem as _Problem
 from .core import checked as _checked
+from .hints import one_fit
+
+
+def _close_tensors(a, b) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def _fmt(values, digits: int = 3) -> str:
@@ -140,11 +145,10 @@ def _attention_output_check(spec):
             b, i, h, _ = torch.nonzero(torch.isnan(out))[0].tolist()
             return False, (f"{where}: NaN at batch {b}, query {i} (position {case.start + i}), "
                            f"head {h}; a query whose keys are all masked gives NaN")
-        for variant, sentence in _DIAGNOSES:
-            alt = _attention_variant(case, **variant)
-            if not torch.allclose(alt, case.expected, atol=1e-4, rtol=1e-4) and \
-                    torch.allclose(out, alt, atol=1e-4, rtol=1e-4):
-                return False, f"{where}: {sentence}"
+        sentence = one_fit(out, [(_attention_variant(case, **v), s) for v, s in _DIAGNOSES],
+                           expected=case.expected, same=_close_tensors)
+        if sentence:
+            return False, f"{where}: {sentence}"
         err = (out - case.expected).abs()                               # [B, T, H, D]
         b, i, h, _ = torch.nonzero(err == err.max())[0].tolist()
         return False, (f"{where}, worst at batch {b}, query {i} (position {case.start + i}), "
@@ -499,11 +503,12 @@ class _Step:
         weights = roofline.weight_read_params(cfg) * bpv
         kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * bpv
         kv = b * (self.context + self.num_tokens) * kv_token
-        return [
+        per_token = [] if self.num_tokens == 1 else [   # with 1 token per sequence: the same
+            (weights * b * self.num_tokens + kv, "the weights are counted once per token; a step "
+             "reads them once, whatever the number of tokens")]
+        return per_token + [
             (weights * b + kv, "the weights are counted once per sequence; a step reads them "
              "once, whatever the batch (that is why batching helps)"),
-            (weights * b * self.num_tokens + kv, "the weights are counted once per token; a step "
-             "reads them once, whatever the number of tokens"),
             (param_count(cfg) * bpv + kv, "the whole input-embedding table is counted; an untied "
              "embedding is a lookup that reads only its tokens' rows (count param_count minus "
              "vocab x hidden when the embedding is not tied to the output head)"),
@@ -573,10 +578,10 @@ def _roofline_check(steps, fields=_FIELDS):
                     continue
                 variants = {"flops": step.flops_variants, "bytes": step.bytes_variants,
                             "seconds": step.seconds_variants}.get(k, list)()
-                hint = next((why for value, why in variants
-                             if _close(got[k], value) and not _close(value, want[k])), "")
-                if k == "intensity" and _close(got[k], want["bytes"] / want["flops"]):
-                    hint = "that is bytes / FLOPs; intensity is FLOPs per byte"
+                if k == "intensity":
+                    variants = [(want["bytes"] / want["flops"], "that is bytes / FLOPs; "
+                                 "intensity is FLOPs per byte")]
+                hint = one_fit(got[k], variants, expected=want[k], same=_close)
                 raise _Problem(f"{step.describe()}: {k} is {got[k]:,.6g}, expected "
                                f"{want[k]:,.6g}" + (f"; {hint}" if hint else ""))
     return check

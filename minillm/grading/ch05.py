@@ -32,6 +32,7 @@ from .. import kernels
 from .core import Check, Exercise
 from .core import Problem as _Problem
 from .core import checked as _checked
+from .hints import one_fit
 
 
 def _is_int(x) -> bool:
@@ -122,8 +123,7 @@ def _metadata_cases(cases, fields=_FIELDS):
             for name in fields:
                 if got[name] == want[name]:
                     continue
-                hint = next((why for value, why in _variants(spans)[name]
-                             if value == got[name] and value != want[name]), "")
+                hint = one_fit(got[name], _variants(spans)[name], expected=want[name])
                 raise _Problem(f"spans={list(spans)}: {name} is {got[name]}, expected "
                                f"{want[name]}" + (f"; {hint}" if hint else ""))
     return check
@@ -360,12 +360,11 @@ def _prefill_check(cases, tolerance=1e-4):
             msg = (f"{where}: row {t} (sequence {b}, query {t - int(step.cu_seqlens_q[b])} of "
                    f"{n}, at position {c + t - int(step.cu_seqlens_q[b])}) differs from causal "
                    f"attention by up to {float(bad[t]):.3g}")
-            for variant, sentence in _PREFILL_DIAGNOSES:
-                if torch.allclose(got, _attend_variant(step, **variant), atol=max(tolerance, 1e-4),
-                                  rtol=max(tolerance, 1e-4)):
-                    msg += f"; {sentence}"
-                    break
-            raise _Problem(msg)
+            tol = max(tolerance, 1e-4)
+            sentence = one_fit(got, [(_attend_variant(step, **v), s) for v, s in _PREFILL_DIAGNOSES],
+                               expected=step.expected,
+                               same=lambda a, b: torch.allclose(a, b, atol=tol, rtol=tol))
+            raise _Problem(msg + (f"; {sentence}" if sentence else ""))
     return check
 
 
