@@ -203,3 +203,26 @@ def test_prefix_caching_is_the_default_and_can_be_switched_off(model):
     off = minillm.LLM((model, None), num_kv_blocks=8, enable_prefix_caching=False)
     assert not hasattr(off.engine.block_manager, "find_cached_blocks")
     assert off.reset_prefix_cache() == 0 and off.engine.prefix_cache_stats.hit_rate == 0.0
+
+
+def test_a_failed_forward_caches_nothing(model, monkeypatch):
+    """A's forward fails while it computes a system prompt that B waits for: A errors, nothing
+    of its failed step is cached, B computes the prefix itself and gets the right tokens."""
+    system = list(range(40, 56))                                    # 4 full blocks of 4
+    poison = 250
+    prompts = [system + [poison, 1, 2], system + [7, 8]]
+    real = type(model).forward
+
+    def forward(self, input_ids, *args, **kwargs):
+        if (input_ids == poison).any():
+            raise RuntimeError("injected forward fault")
+        return real(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "forward", forward)
+    engine = LLMEngine(model, None, num_kv_blocks=50, block_size=4)
+    outs, _ = run_engine(engine, prompts, [5, 5])
+    monkeypatch.undo()
+    assert outs["0"].finish_reason == "error" and "injected forward fault" in outs["0"].error
+    assert outs["1"].token_ids == sequential(model, prompts[1:], [5])[0]
+    assert outs["1"].num_cached_tokens == 0
+    check_invariants(engine)
