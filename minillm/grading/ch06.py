@@ -4,8 +4,8 @@
     ch06.check_free_block_queue(FreeBlockQueue)     # (b) LRU free queue with revival on a hit
     ch06.check_num_cached_tokens(num_cached_tokens) # (c) the hit-length rule
 
-References: minillm's own `cache.prefix.hash_block_tokens` chained over full blocks (a), an
-OrderedDict driven the way `PrefixCachingBlockPool` drives its free queue (b), and
+References: minillm's own `cache.prefix.hash_block_tokens` chained over full blocks (a), the
+orders `PrefixCachingBlockPool`'s free queue produces, written out case by case (b), and
 `PrefixCachingBlockManager.find_cached_blocks`'s rule, full blocks up to the first miss and never
 the last token (c).
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections import OrderedDict
 
 from ..cache.prefix import hash_block_tokens, num_cacheable_blocks
 from .core import Check, Exercise
