@@ -204,7 +204,7 @@ def batch(tmp_path_factory):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "minillm.grading", str(ROOT / "exercises"),
                            "--submissions", str(subs_dir), "--out", str(out), "--timeout", "90",
-                           "--check-time-limit", "4", "--cell-timeout", "10",
+                           "--check-time-limit", "6", "--cell-timeout", "12",
                            "--feedback", str(folder / "feedback")],
                           capture_output=True, text=True, timeout=900, cwd=folder, env=env)
     elapsed = time.monotonic() - start
