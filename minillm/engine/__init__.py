@@ -1,4 +1,8 @@
-"""The serving engine (chapters 04-05): requests, scheduler, model runner, LLMEngine, LLM.
+"""The serving engine (chapters 04-06): requests, scheduler, model runner, LLMEngine, LLM.
+
+Chapter 06 adds prefix caching (on by default): the block manager becomes
+`cache.prefix.PrefixCachingBlockManager`, the scheduler looks up cached prefixes at admission,
+and the engine registers full blocks after each successful step.
 
     request.py       Request: prompt + outputs, num_computed_tokens chasing num_tokens, states
     scheduler.py     FCFS, token budget, chunked prefill, static vs continuous, preemption
@@ -6,6 +10,7 @@
     llm_engine.py    add_request / step / has_unfinished / abort_request
     llm.py           LLM.generate(prompts, sampling_params): the offline batch API
     outputs.py       RequestOutput / CompletionOutput
+    trace.py         run_trace / describe / replay: record or replay a schedule (lecture instrumentation)
 """
 from .llm import LLM
 from .llm_engine import LLMEngine, StepStats
