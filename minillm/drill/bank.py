@@ -207,6 +207,16 @@ def topics() -> dict[str, str]:
     return dict(_load_yaml(BANK_DIR / "topics.yaml"))
 
 
+def _point(p) -> dict:
+    """A key point: {"says": ..., "any": [regex, ...]} or the short form "says :: rx1 | rx2"."""
+    if isinstance(p, str):
+        says, _, alts = p.partition(" :: ")
+        if not alts:
+            raise BankError(f"key point {p!r} needs ' :: ' followed by accepted phrasings")
+        return dict(says=says.strip(), any=tuple(a.strip() for a in alts.split(" | ")))
+    return dict(says=p["says"], any=tuple(p["any"]))
+
+
 def _question(entry: dict, source: str) -> Question:
     where = f"{source}: {entry.get('id', '<no id>')}"
     for key in ("id", "kind", "topic", "difficulty", "section"):
@@ -231,7 +241,7 @@ def _question(entry: dict, source: str) -> Question:
     kw = dict(id=qid, kind=kind, topic=topic, difficulty=entry["difficulty"], section=section,
               source_file=source, fact=entry.get("fact", ""))
     if kind == "concept":
-        points = tuple(dict(says=p["says"], any=tuple(p["any"])) for p in entry.get("points", ()))
+        points = tuple(_point(p) for p in entry.get("points", ()))
         if not entry.get("prompt") or not entry.get("answer") or not points:
             raise BankError(f"{where}: a concept question needs prompt, answer and points")
         for p in points:
