@@ -173,8 +173,9 @@ class Question:
         elif self.kind == "scenario":
             lines.append(render(self.prompt))
             for name, low, high, unit in self.metrics:
-                v = rng.uniform(low, high)
-                lines.append(f"  {name}: {v:.3g}{unit}")
+                v = low if low == high else rng.uniform(low, high)
+                shown = f"{v:,.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.3g}"
+                lines.append(f"  {name}: {shown}{unit}")
             lines.append("Most likely cause and first fix?")
         else:
             lines.append(render(self.prompt))
