@@ -95,7 +95,7 @@ def parse_quantity(text: str, dimension: str, default_unit: str = "") -> Quantit
     if not m:
         raise UnitError(f"could not read a number in {str(text)!r}; expected {expected}")
     number = float(m.group(1).replace(",", "").replace("_", ""))
-    unit = m.group(2).strip()
+    unit = m.group(2).split("(")[0].strip()        # "327,680 B (320 KiB)": the first unit counts
     if str(text).strip().startswith("$") and not unit:
         unit = "$"
     if not unit:
