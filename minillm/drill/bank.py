@@ -174,6 +174,8 @@ class Question:
             lines.append(render(self.prompt))
             for name, low, high, unit in self.metrics:
                 v = low if low == high else rng.uniform(low, high)
+                if isinstance(low, int) and isinstance(high, int):
+                    v = round(v)                            # counts stay whole
                 shown = f"{v:,.0f}" if abs(v) >= 100 or float(v).is_integer() else f"{v:.3g}"
                 lines.append(f"  {name}: {shown}{unit}")
             lines.append("Most likely cause and first fix?")
