@@ -81,7 +81,7 @@ class Instance:
         shown = fmt_value(got.value, n.dimension)
         head = (f"Correct ({shown}, {tol})." if ok else
                 f"Not quite: you gave {shown}; the answer is {self.answer}, accepted {tol}."
-                + (f" {slip.capitalize()}." if slip else ""))
+                + (f" {slip[0].upper()}{slip[1:]}." if slip else ""))
         return Grade(1.0 if ok else 0.0, f"{head}\nWorking: {n.working}\n{self.question.see_also()}")
 
     # --- concept -------------------------------------------------------------------------
