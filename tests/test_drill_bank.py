@@ -170,3 +170,17 @@ def test_bank_validation_names_the_problem(tmp_path):
         "  section: [notebooks/99_nope.ipynb]\n  prompt: p\n  answer: a\n  points: ['p :: a']\n")
     with pytest.raises(drill.BankError, match="x.one.*section"):
         bank_mod._load.__wrapped__(str(tmp_path))
+
+
+def test_concept_points_tell_answers_apart():
+    """Key points must be specific: the model answers of other topics' questions score low."""
+    concepts = drill.load_bank(kind="concept")
+    answers = [(q.topic, q.instance(0).answer) for q in concepts]
+    means = {}
+    for q in concepts:
+        inst = q.instance(0)
+        scores = [inst.grade(a).score for t, a in answers if t != q.topic]
+        means[q.id] = sum(scores) / len(scores)
+    loose = {k: round(v, 2) for k, v in means.items() if v >= 0.3}
+    assert not loose, f"key points that match unrelated answers: {loose}"
+    assert sum(means.values()) / len(means) < 0.15
