@@ -251,6 +251,24 @@ def test_mock_report_with_a_fake_clock(tmp_path):
     assert all(1 <= s <= 5 for s, _ in r.rubric.values())
 
 
+def test_mock_survives_end_of_input_and_says_when_time_is_up(tmp_path):
+    clock = FakeClock()
+    calls = []
+
+    def input_fn(prompt):
+        calls.append(prompt)
+        if len(calls) == 1:
+            clock.t += 50 * 60                         # the candidate talks for 50 minutes
+            return "everything about latency and throughput"
+        raise EOFError                                 # then Ctrl-D
+    out = []
+    r = run_mock(seed=1, input_fn=input_fn, output_fn=out.append, clock=clock, report_dir=tmp_path)
+    text = "\n".join(out)
+    assert "minutes are up" in text
+    assert r.estimate is None and r.rubric["memory math"] == (1, "no usable estimate given")
+    assert r.report_path.exists() and "_(nothing written)_" in r.report_path.read_text()
+
+
 def test_mock_estimate_scores():
     assert estimate_score(54, 54)[0] == 5
     assert estimate_score(45, 54)[0] == 4

@@ -119,6 +119,9 @@ def run_mock(seed=0, input_fn: Callable = input, output_fn: Callable = print,
         elapsed = (clock() - start) / 60
         output_fn(f"\n== {phase['name']} ({phase['minutes']} min; {elapsed:.0f} of {total_min} "
                   f"min used) ==\n{phase['goal']}")
+        if elapsed >= total_min:
+            output_fn(f"(the {total_min} minutes are up: in a real interview you would be cut off "
+                      "here; answer in one or two lines)")
         t0 = clock()
         if phase["name"] == "deep dive":
             _capacity_check(result, dep, cfg, input_fn, output_fn)
