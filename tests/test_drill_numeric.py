@@ -143,7 +143,9 @@ def expected(gen, p):
         return kv_token(p["model"]) * p["seq_len"] / (p["gbit"] * 1e9 / 8)
     if gen == "lora_size":
         c = configs.get(p["model"])
-        return c.num_layers * p["modules"] * (c.hidden_size * p["rank"] * 2) * 2
+        h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        sizes = {"q": h + q, "k": h + kv, "v": h + kv, "o": q + h}       # in + out per module
+        return c.num_layers * sum(p["rank"] * sizes[m] for m in p["modules"]) * 2
     if gen == "recompute_ratio":
         n = p["n"]
         return (n * (n + 1) / 2) / n

@@ -60,7 +60,7 @@ FACTS = {
     "table_overhead_70b": lambda: f"{4 / (16 * _kv('llama-2-70b')):.2g}",
     "w_405b_fp8": lambda: fmt_bytes(kvmath.weight_bytes(configs.get("llama-3.1-405b"), "fp8")),
     "w_405b_bf16": lambda: fmt_bytes(kvmath.weight_bytes(configs.get("llama-3.1-405b"), "bfloat16")),
-    "lora_7b_r8": lambda: fmt_bytes(formulas.lora_adapter_bytes(32, 4096, 8, 2)),
+    "lora_7b_r8": lambda: fmt_bytes(formulas.lora_adapter_bytes(32, [(4096, 4096), (4096, 4096)], 8, 2)),
     "swap_llama3_8b_1k": lambda: fmt_seconds(2 * 1000 * _kv("llama-3-8b") / 64e9),
     "ib_400": lambda: f"{formulas.gbit_to_bytes_per_s(400) / 1e9:g} GB/s",
 }

@@ -160,11 +160,12 @@ def gbit_to_bytes_per_s(gbit_per_s: float) -> float:
     return gbit_per_s * 1e9 / 8
 
 
-def lora_adapter_bytes(num_layers: int, hidden_size: int, rank: int, modules_per_layer: int,
-                       dtype_bytes: float = 2) -> float:
-    """A LoRA adapter on square hidden x hidden projections: A (hidden x r) and B (r x hidden)
-    per adapted module: layers x modules x 2 x hidden x r x bytes."""
-    return num_layers * modules_per_layer * 2 * hidden_size * rank * dtype_bytes
+def lora_adapter_bytes(num_layers: int, shapes, rank: int, dtype_bytes: float = 2) -> float:
+    """A LoRA adapter: for each adapted projection of shape (in, out), A is in x r and B is r x out,
+    so r x (in + out) numbers per module and layer: layers x sum(r (in + out)) x bytes."""
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    return num_layers * sum(rank * (i + o) for i, o in shapes) * dtype_bytes
 
 
 def mlp_activation_bytes(num_tokens: int, intermediate_size: int, dtype_bytes: float = 2) -> float:

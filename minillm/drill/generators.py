@@ -280,7 +280,7 @@ def decode_step_time(rng, **o) -> Numeric:
     w = roofline.weight_read_params(cfg)
     return Numeric(
         f"{cfg.name} in BF16 ({w:,} parameters read per step; {_cfg_line(cfg)}) decodes a batch "
-        f"of {batch} sequences that each have {ctx:,} tokens cached, on an {gpu.name} "
+        f"of {batch} sequence{'s' if batch > 1 else ''}, each with {ctx:,} tokens cached, on an {gpu.name} "
         f"({gpu.bandwidth / 1e12:g} TB/s). What is the lower bound on one decode step's time set "
         f"by memory bandwidth (weights read once, every sequence's KV read, new KV written)?",
         v, "seconds", f"({w:,} x 2 B weights + {batch} x {ctx:,} x {kvmath.kv_bytes_per_token(cfg):,} B "
@@ -360,8 +360,9 @@ def compute_cap_tokens(rng, **o) -> Numeric:
 
 @generator
 def bandwidth_ratio(rng, **o) -> Numeric:
-    a, b = rng.sample(["H100-SXM-80GB", "H200-SXM-141GB", "A100-SXM-80GB", "A100-SXM-40GB",
-                       "L4-24GB", "RTX-4090-24GB"], 2)
+    a, b = sorted(rng.sample(["H100-SXM-80GB", "H200-SXM-141GB", "A100-SXM-80GB", "A100-SXM-40GB",
+                              "L4-24GB", "RTX-4090-24GB"], 2),
+                  key=lambda name: -kvmath.GPUS[name].bandwidth)          # a is the faster one
     ga, gb = kvmath.GPUS[a], kvmath.GPUS[b]
     v = ga.bandwidth / gb.bandwidth
     return Numeric(
@@ -604,18 +605,21 @@ def kv_transfer_disagg(rng, **o) -> Numeric:
 
 @generator
 def lora_size(rng, **o) -> Numeric:
-    cfg = configs.get(_pick(rng, o, "models", ["llama-2-7b", "llama-2-70b"]))
+    cfg = configs.get(_pick(rng, o, "models", ["llama-2-7b", "llama-3-8b", "llama-2-70b"]))
     r = rng.choice([8, 16, 32, 64])
-    m = rng.choice([2, 4])
-    v = formulas.lora_adapter_bytes(cfg.num_layers, cfg.hidden_size, r, m, 2)
-    which = "q and v" if m == 2 else "q, k, v and o"
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    proj = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h)}
+    names = rng.choice([("q", "v"), ("q", "k", "v", "o")])
+    shapes = [proj[n] for n in names]
+    v = formulas.lora_adapter_bytes(cfg.num_layers, shapes, r, 2)
+    listed = ", ".join(f"{n}: {i} -> {out}" for n, (i, out) in zip(names, shapes))
     return Numeric(
-        f"A rank-{r} LoRA adapter on the {which} projections ({cfg.hidden_size} x "
-        f"{cfg.hidden_size} each) of all {cfg.num_layers} layers of {cfg.name}, stored in BF16. Size?",
-        v, "bytes", f"{cfg.num_layers} layers x {m} modules x (A: {cfg.hidden_size} x {r} + B: {r} x "
-        f"{cfg.hidden_size}) x 2 B = {fmt_bytes(v)}: tiny next to the base model's "
-        f"{fmt_bytes(kvmath.weight_bytes(cfg))}", dict(model=cfg.name, rank=r, modules=m),
-        rel_tol=0.01)
+        f"A rank-{r} LoRA adapter on the {' and '.join(names)} projections of all "
+        f"{cfg.num_layers} layers of {cfg.name} ({listed}), stored in BF16. Size?",
+        v, "bytes", f"per module r x (in + out); {cfg.num_layers} layers x ("
+        + " + ".join(f"{r} x ({i} + {out})" for i, out in shapes) + f") x 2 B = {fmt_bytes(v)}: "
+        f"tiny next to the base model's {fmt_bytes(kvmath.weight_bytes(cfg))}",
+        dict(model=cfg.name, rank=r, modules=list(names)), rel_tol=0.01)
 
 
 @generator
