@@ -28,6 +28,20 @@ def show_round(ids=NUMBER_IDS + LETTER_IDS) -> None:
         print(f"Q{i} [{qid}]\n{_instance(qid).prompt}\n")
 
 
+def as_read(qid: str, answer) -> str:
+    """How the drill's grader reads `answer` to question `qid`: the value in base units, or why
+    it cannot be read."""
+    from ..drill.units import UnitError, fmt_value, parse_quantity
+    inst = _instance(qid)
+    if not inst.dimension:
+        return str(answer).strip()[:1].upper() or "(empty)"
+    try:
+        q = parse_quantity(str(answer), inst.dimension, inst._numeric.unit)
+    except UnitError as exc:
+        return f"unreadable: {exc}"
+    return fmt_value(q.value, inst.dimension)
+
+
 def _grade_one(qid: str):
     def check(answers_fn):
         answers = answers_fn()
