@@ -227,3 +227,23 @@ def test_formula_inputs_are_checked():
         formulas.littles_law_latency(10, 0)
     with pytest.raises(ValueError, match="unknown numeric generator"):
         generators.generate("nope", 0, {})
+
+
+def test_prefix_savings_match_minillm_prefix_cache():
+    """The drill's prefix arithmetic against the engine's own prefix-caching block manager: the
+    first request computes and caches its prompt; a second one with the same P-token prefix
+    (then different tokens) hits exactly floor(P / block_size) blocks."""
+    from minillm.cache.prefix import PrefixCachingBlockManager, num_cacheable_blocks
+    rng = random.Random(1)
+    for _ in range(30):
+        bs = rng.choice([4, 8, 16])
+        prefix = rng.randint(1, 90)
+        first = list(range(1000, 1000 + prefix)) + [1, 2, 3] * 5
+        second = list(range(1000, 1000 + prefix)) + [7, 8, 9] * 7
+        bm = PrefixCachingBlockManager(256, bs)
+        bm.allocate("a", len(first))
+        bm.cache_full_blocks("a", len(first), lambda s, e: first[s:e])
+        hits = bm.find_cached_blocks(second)
+        assert len(hits) * bs == formulas.prefix_cached_tokens(prefix, bs)
+    # a prompt seen whole: the last token is computed, so the hit stops a block short
+    assert num_cacheable_blocks(64, 16) == 3 == (64 - 1) // 16
