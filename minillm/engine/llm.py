@@ -35,7 +35,10 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = False, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
-                 device=None, dtype=None, clock=None):
+                 device=None, dtype=None, clock=None, speculative_config=None):
+        if speculative_config is not None:   # fail before loading anything
+            from .spec_decode import parse_speculative_config
+            parse_speculative_config(speculative_config)
         if enable_prefix_caching:   # fail before loading anything
             raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
                              "does not implement it yet; pass enable_prefix_caching=False")
@@ -55,7 +58,8 @@ class LLM:
                                 max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
-                                scheduling=scheduling, preemption=preemption, clock=clock)
+                                scheduling=scheduling, preemption=preemption, clock=clock,
+                                speculative_config=speculative_config)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],

@@ -59,7 +59,11 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  scheduling: str = "continuous", preemption: str = "recompute",
-                 clock=None, max_step_stats: int = 100_000):
+                 clock=None, max_step_stats: int = 100_000,
+                 speculative_config: Optional[dict] = None):
+        if speculative_config is not None:       # chapter 07; validated before anything else
+            from .spec_decode import parse_speculative_config
+            parse_speculative_config(speculative_config)
         if enable_prefix_caching:
             raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
                              "does not implement it yet; pass enable_prefix_caching=False")
@@ -91,6 +95,10 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._aborted: list = []                 # request ids finished by abort, not yet returned
         self.step_stats = collections.deque(maxlen=max_step_stats)
+        self.spec = None                         # SpecDecoder when speculating (chapter 07)
+        if speculative_config is not None:
+            from .spec_decode import SpecDecoder
+            self.spec = SpecDecoder(speculative_config, model)
 
     # --- requests ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list:
@@ -149,6 +157,8 @@ class LLMEngine:
             if not r.is_finished:
                 self.scheduler.finish(r, "abort")
                 r.metrics.finished_time = now
+                if self.spec is not None:
+                    self.spec.release(r)
         self._aborted.append(request_id)
         return True
 
@@ -172,27 +182,55 @@ class LLMEngine:
             return [self._output(rid) for rid in finished]
         n_decode = sum(n for r, n in sched.scheduled if not r.is_prefill)
         prefill_seqs = sum(r.is_prefill for r, _ in sched.scheduled)
-        logits, sampling_reqs = self.runner.execute(sched)      # [S, V], S requests
+        num_spec = {req.seq_id: req.num_computed_tokens + n - req.num_tokens
+                    for req, n in sched.scheduled}     # drafts verified per request (ch. 07)
+        if self.spec is not None:
+            with self.spec.capture() as cap:
+                logits, sampling_reqs = self.runner.execute(sched)   # [S, V]
+        else:
+            logits, sampling_reqs = self.runner.execute(sched)      # [S, V], S requests
         for req, n in sched.scheduled:
             req.num_computed_tokens += n
 
         rows = []                               # (request, row of logits) per sequence to sample
-        for i, req in enumerate(sampling_reqs):
-            rows.append((req, i))
-            if not req.forked:
-                rows.extend((child, i) for child in self._fork(req))
-        tokens = sample_tokens(logits, rows)
+        spec_rows = []                          # (request, first row, drafts) to verify
+        offset = 0
+        for req in sampling_reqs:
+            k = max(0, num_spec[req.seq_id])
+            if k:
+                spec_rows.append((req, offset, k))
+            else:
+                rows.append((req, offset))
+                if not req.forked:
+                    rows.extend((child, offset) for child in self._fork(req))
+            offset += 1 + k
+        emitted = [(req, row, [t]) for (req, row), t in zip(rows, sample_tokens(logits, rows))]
+        for req, row, k in spec_rows:
+            toks = self.spec.verify(req, logits[row:row + 1 + k], k)
+            rejected = k - (len(toks) - 1)
+            req.num_computed_tokens -= rejected          # roll back the rejected drafts
+            self.block_manager.truncate(req.seq_id, req.num_computed_tokens)
+            emitted.append((req, row + len(toks) - 1, toks))
         now = self.clock()
-        for (req, _), token in zip(rows, tokens):
-            req.output_token_ids.append(token)
-            req.metrics.record_token(now)
-            reason = self._stop_reason(req, token)
+        for req, _, toks in emitted:
+            for token in toks:
+                req.output_token_ids.append(token)
+                req.metrics.record_token(now)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    break
             if reason is not None:
                 self.scheduler.finish(req, reason)
                 req.metrics.finished_time = now
+                if self.spec is not None:
+                    self.spec.release(req)
                 group = self.groups[req.request_id]
                 if all(r.is_finished for r in group) and req.request_id not in finished:
                     finished.append(req.request_id)
+        if self.spec is not None:                # the next step's drafts
+            hidden = cap.value[0] if self.spec.needs_hidden else None     # [S, C]
+            self.spec.propose([(req, None if hidden is None else hidden[row])
+                               for req, row, _ in emitted if not req.is_finished])
 
         n_prefill = sched.num_batched_tokens - n_decode
         s = self.scheduler
@@ -264,6 +302,12 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def spec_decode_stats(self):
+        """Speculative decoding counts over the engine's life (minillm.spec.SpecStats:
+        acceptance_rate, mean_accepted_length, acceptance_by_position), or None."""
+        return self.spec.stats if self.spec is not None else None
 
 
 __all__ = ["LLMEngine", "StepStats"]

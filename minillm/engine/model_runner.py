@@ -73,8 +73,9 @@ class ModelRunner:
             tables.append(self.bm.block_table(req.seq_id))
             seq_lens.append(end)
             cu.append(cu[-1] + n)
-            if end == req.num_tokens:                        # the step reaches its last token
-                sample_rows.append(cu[-1] - 1)
+            num_spec = end - req.num_tokens                  # drafts verified (chapter 07)
+            if num_spec >= 0:                                # the step reaches its last token
+                sample_rows.extend(range(cu[-1] - 1 - num_spec, cu[-1]))
                 sampling_reqs.append(req)
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
@@ -99,7 +100,8 @@ class ModelRunner:
         return logits[0]
 
     def execute(self, sched):
-        """Do the block copies, run the forward. Returns (logits [S, V], the S requests)."""
+        """Do the block copies, run the forward. Returns (logits [S, V], the requests that
+        sample: one row each, 1 + k rows for one that verifies k drafts)."""
         self.cache.swap_out_blocks(sched.blocks_to_swap_out)    # device -> CPU pool
         self.cache.swap_in_blocks(sched.blocks_to_swap_in)      # CPU pool -> device
         self.cache.copy_blocks(sched.blocks_to_copy)            # copy-on-write
