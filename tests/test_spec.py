@@ -214,10 +214,11 @@ def _proposers(model):
     return {"ngram": spec.NgramProposer(1, 3),
             "self": spec.DraftModelProposer(model),                     # accepts everything
             "early_exit": spec.DraftModelProposer(spec.early_exit_model(model, 1)),
+            "skip_layer": spec.DraftModelProposer(spec.skip_layer_model(model, [1])),
             "medusa": spec.MedusaProposer(model, spec.MedusaHeads.for_model(model, 3))}
 
 
-@pytest.mark.parametrize("name", ["ngram", "self", "early_exit", "medusa"])
+@pytest.mark.parametrize("name", ["ngram", "self", "early_exit", "skip_layer", "medusa"])
 def test_loop_greedy_equals_plain_greedy(tiny, name):
     rng = random.Random(1)
     proposer = _proposers(tiny)[name]

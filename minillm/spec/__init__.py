@@ -14,10 +14,10 @@ from .loop import SpecStats, speculative_generate
 from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import ngram_propose
 from .proposers import (DraftModelProposer, MedusaProposer, NgramProposer, early_exit_model,
-                        final_probs)
+                        final_probs, skip_layer_model)
 from .rejection import greedy_accept, rejection_sample, residual
 from . import theory
 
 __all__ = ["rejection_sample", "greedy_accept", "residual", "ngram_propose", "NgramProposer",
-           "MedusaProposer", "MedusaHeads", "DraftModelProposer", "early_exit_model",
+           "MedusaProposer", "MedusaHeads", "DraftModelProposer", "early_exit_model", "skip_layer_model",
            "final_probs", "speculative_generate", "SpecStats", "theory", "DEFAULT_WEIGHTS"]

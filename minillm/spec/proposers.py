@@ -117,17 +117,34 @@ def early_exit_model(model, num_layers: int):
     """A cheaper variant of `model` that shares its weights: only the first num_layers decoder
     layers, then the model's own final norm and lm_head (early exit, as in LayerSkip). Costs about
     num_layers / L of a target pass per token."""
-    import copy
-    import dataclasses
     L = model.config.num_layers
     if not 1 <= num_layers <= L:
         raise ValueError(f"num_layers must be in [1, {L}], got {num_layers}")
+    return layer_subset_model(model, list(range(num_layers)), f"exit{num_layers}")
+
+
+def skip_layer_model(model, skip):
+    """The target with the decoder layers in `skip` left out (self-speculative decoding by layer
+    skipping, Zhang et al. 2023): same weights, same final norm and lm_head."""
+    L = model.config.num_layers
+    skip = set(skip)
+    if not skip <= set(range(L)) or len(skip) >= L:
+        raise ValueError(f"skip must be a proper subset of layers 0..{L - 1}, got {sorted(skip)}")
+    return layer_subset_model(model, [i for i in range(L) if i not in skip], f"skip{len(skip)}")
+
+
+def layer_subset_model(model, keep: list, tag: str = "subset"):
+    import copy
+    import dataclasses
     draft = copy.copy(model)
     draft._modules = dict(model._modules)                      # do not touch the target's
     draft._parameters, draft._buffers = dict(model._parameters), dict(model._buffers)
-    draft.layers = torch.nn.ModuleList(list(model.layers)[:num_layers])
-    draft.config = dataclasses.replace(model.config, num_layers=num_layers,
-                                       name=f"{model.config.name}-exit{num_layers}")
+    draft.layers = torch.nn.ModuleList(model.layers[i] for i in keep)
+    # layers keep their index into the KV cache, so a cache for this draft needs max(keep) + 1
+    # layers (skipped ones stay empty); for early exit that is exactly the layers it runs
+    draft.config = dataclasses.replace(model.config, num_layers=max(keep) + 1,
+                                       name=f"{model.config.name}-{tag}")
+    draft.layer_ids = list(keep)
     return draft
 
 
@@ -138,4 +155,5 @@ def check_speculative_tokens(k) -> int:
 
 
 __all__ = ["NgramProposer", "MedusaProposer", "DraftModelProposer", "early_exit_model",
+           "skip_layer_model",
            "final_probs", "draw", "check_lookup"]
