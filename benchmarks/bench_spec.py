@@ -177,6 +177,11 @@ def plot(result, path):
     axes[1].set_ylim(0, 1.05)
     axes[1].legend(fontsize=7)
     sw = [r for r in result["engine_sweep"] if r["method"] == "ngram"]
+    if not sw:                                                # --batch-sizes "": no sweep
+        axes[2].set_visible(False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
     axes[2].plot([r["batch_size"] for r in sw], [r["speedup"] for r in sw], marker="o")
     axes[2].axhline(1, color="k", lw=0.8)
     axes[2].set_xscale("log", base=2)

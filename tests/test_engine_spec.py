@@ -173,3 +173,30 @@ def test_learned_draft_for_another_model_is_refused(model, heads):
     with pytest.raises(ValueError, match="lower it to <= 3"):
         LLMEngine(model, None, num_kv_blocks=50,
                   speculative_config=dict(method="medusa", num_speculative_tokens=4, weights=heads))
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return minillm.load_model("smollm2-135m")
+
+
+def test_committed_medusa_heads_on_the_bundled_model(bundled):
+    """The committed weights load (no training in tests), propose drafts inside the engine, and
+    keep greedy output identical; random weights of the same shape are refused."""
+    model, tok = bundled
+    heads = spec.MedusaHeads.load(spec.DEFAULT_WEIGHTS, model)
+    assert heads.num_heads == 4 and heads.meta["training"]["train_positions"] > 0
+    prompts = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
+                                       add_generation_prompt=True)
+               for m in ("Explain why the sky is blue.", "Give three facts about honey bees.")]
+    sp = SamplingParams(temperature=0.0, max_tokens=12)
+    want = [minillm.generate(model, tok, p, max_new_tokens=12) for p in prompts]
+    llm = minillm.LLM((model, tok), num_kv_blocks=64, speculative_config=dict(
+        method="medusa", num_speculative_tokens=3))
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.token_ids for o in outs] == want
+    st = llm.engine.spec_decode_stats
+    assert st.num_draft_tokens > 0 and len(st.acceptance_by_position) == 3, st.as_dict()
+    random_weights, _ = minillm.load_model("smollm2-135m", weights="random")
+    with pytest.raises(ValueError, match="weights differ"):
+        spec.MedusaHeads.load(spec.DEFAULT_WEIGHTS, random_weights)

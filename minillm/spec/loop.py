@@ -41,11 +41,12 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        for lst, n in ((self.drafted_per_position, num_drafted),
-                       (self.accepted_per_position, num_accepted)):
-            lst.extend([0] * (n - len(lst)))
-            for i in range(n):
-                lst[i] += 1
+        for lst in (self.drafted_per_position, self.accepted_per_position):
+            lst.extend([0] * (num_drafted - len(lst)))        # one entry per draft position
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
