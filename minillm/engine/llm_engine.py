@@ -14,6 +14,11 @@ One `step()` is one iteration of iteration-level scheduling:
      own generator, appends it, and finishes sequences on a stop token, a stop string or
      max_tokens, freeing their blocks at once so the next step can use them.
 
+Prefix caching (chapter 06, on by default as in vLLM): the block manager is a
+`PrefixCachingBlockManager`; the scheduler looks up cached prefixes at admission and, after each
+forward, the engine registers the blocks that became full (`cache_full_blocks`). The cache lives
+as long as the engine. `engine.prefix_cache_stats` counts looked-up and hit prompt tokens.
+
 Bad input raises ValueError from `add_request` (the request is not added; nothing else is
 affected). `LLM.generate` turns that into an output with finish_reason "error".
 
@@ -34,6 +39,7 @@ from typing import Optional
 import torch
 
 from ..cache.blocks import BlockManager, BlockPool
+from ..cache.prefix import PrefixCacheStats, PrefixCachingBlockManager
 from ..generate import Prompt, check_context_room, prompt_token_ids
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
@@ -64,16 +70,13 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, num_cpu_blocks: Optional[int] = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
                  clock=None, max_step_stats: int = 100_000,
                  speculative_config: Optional[dict] = None):
         if speculative_config is not None:       # chapter 07; validated before anything else
             from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
-        if enable_prefix_caching:
-            raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
-                             "does not implement it yet; pass enable_prefix_caching=False")
         if int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model = model.eval()
@@ -95,11 +98,15 @@ class LLMEngine:
                              "(None sizes it like the GPU pool) or use preemption='recompute'")
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        manager = PrefixCachingBlockManager if self.enable_prefix_caching else BlockManager
+        self.block_manager = manager(num_kv_blocks, block_size)
+        self.prefix_cache_stats = PrefixCacheStats()     # prompt tokens looked up / hit
         self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill, scheduling, preemption,
-                                   cpu_pool=self.cpu_pool, clock=self.clock)
+                                   cpu_pool=self.cpu_pool, clock=self.clock,
+                                   prefix_cache_stats=self.prefix_cache_stats)
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
                                   num_cpu_blocks)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -142,9 +149,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt,
                     params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue one request. Raises ValueError for bad input; nothing else is affected."""
+                    arrival_time: Optional[float] = None,
+                    cache_salt: Optional[str] = None) -> None:
+        """Queue one request. Raises ValueError for bad input; nothing else is affected.
+        cache_salt: requests share cached prefixes only with requests of the same salt (e.g.
+        one per tenant), which closes the prefix cache's timing side channel between them."""
         params = params if params is not None else SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string (e.g. a tenant id) or None, "
+                             f"got {cache_salt!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()                        # again: fields may have changed since built
@@ -155,7 +168,8 @@ class LLMEngine:
         gen = None if params.greedy else make_generator(params.seed, self.model.device)
         req = Request(next(self._seq_ids), request_id, ids, params,
                       arrival_time if arrival_time is not None else self.clock(),
-                      next(self._arrivals), gen, prompt=prompt if isinstance(prompt, str) else None)
+                      next(self._arrivals), gen, prompt=prompt if isinstance(prompt, str) else None,
+                      cache_salt=cache_salt)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
 
@@ -244,6 +258,7 @@ class LLMEngine:
         for req, n in sched.scheduled:
             if id(req) not in sampling and not req.is_finished:
                 req.num_computed_tokens += n         # a prefill chunk: its K/V are cached
+                self._cache_full_blocks(req)
 
         rows = []                               # (request, row of logits) per sequence to sample
         spec_rows = []                          # (request, first row, drafts) to verify
@@ -279,6 +294,7 @@ class LLMEngine:
             emitted.append((req, row + len(toks) - 1, toks))
         now = self.clock()
         for req, _, toks in emitted:
+            reason = None
             for token in toks:
                 req.output_token_ids.append(token)
                 req.metrics.record_token(now)
@@ -286,10 +302,17 @@ class LLMEngine:
                     reason = self._stop_reason(req, token)
                 except Exception as e:          # noqa: BLE001 - this request's error only
                     self._fail(req, f"stop check failed: {type(e).__name__}: {e}", finished)
+                    reason = "error"
                     break
                 if reason is not None:
-                    self._finish(req, reason, now, finished)
                     break
+            if reason == "error":
+                continue
+            # a stop inside the accepted drafts drops the tokens after it: cache only what stays
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self._cache_full_blocks(req)        # never a block holding a rejected draft
+            if reason is not None:
+                self._finish(req, reason, now, finished)
         if self.spec is not None:               # the next step's drafts
             self._propose(emitted, cap, logits.shape[0], finished)
 
@@ -311,6 +334,14 @@ class LLMEngine:
         except Exception:                       # noqa: BLE001 - decode without drafts
             for req, _ in items:
                 req.spec_token_ids, req.spec_draft_probs = [], None
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Prefix caching: the blocks this step filled hold computed K/V now; register them so
+        later requests can share them (never earlier: a failed or preempted step computes
+        nothing, and a cached block must hold what its key says)."""
+        if self.enable_prefix_caching:
+            self.block_manager.cache_full_blocks(req.seq_id, req.num_computed_tokens,
+                                                 req.token_ids, req.cache_salt)
 
     def _forward(self, scheduled: list, finished: list):
         """The step's forward. If the batch raises, run each request alone: the ones that fail
@@ -360,9 +391,10 @@ class LLMEngine:
             gen = None if p.greedy else make_generator(seed, self.model.device)
             child = Request(next(self._seq_ids), parent.request_id, parent.prompt_token_ids, p,
                             parent.metrics.arrival_time, parent.arrival_order, gen,
-                            sample_index=i, prompt=parent.prompt)
+                            sample_index=i, prompt=parent.prompt, cache_salt=parent.cache_salt)
             child.output_token_ids = list(parent.output_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
@@ -409,7 +441,8 @@ class LLMEngine:
                                          r.finish_reason, r.metrics, stop))
         first = group[0]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True,
-                             "; ".join(errors) or None)
+                             "; ".join(errors) or None,
+                             num_cached_tokens=first.num_cached_tokens or 0)
 
     # --- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> list:
@@ -425,6 +458,13 @@ class LLMEngine:
         """Speculative decoding counts over the engine's life (minillm.spec.SpecStats:
         acceptance_rate, mean_accepted_length, acceptance_by_position), or None."""
         return self.spec.stats if self.spec is not None else None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix that no running request holds (vLLM's reset_prefix_cache).
+        Returns how many blocks were dropped (0 with prefix caching off)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.block_manager.reset_prefix_cache()
 
 
 __all__ = ["LLMEngine", "StepStats"]
