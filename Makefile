@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.minillm-installed
 NB_TIMEOUT ?= 600
 
-.PHONY: lab test unit nbval test-gpu gpu-present test-browser exercises check-exercises bench clean-venv
+.PHONY: lab test unit nbval test-gpu gpu-present test-browser exercises check-exercises bench train-draft clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ check-exercises: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py
+
+# chapter 07's learned draft: Medusa heads self-distilled on the bundled model (CPU, ~10-20 min)
+train-draft: $(STAMP)
+	$(BIN)/python -m minillm.spec.train_medusa --report benchmarks/results/medusa_train_cpu.json
 
 clean-venv:
 	rm -rf $(VENV)

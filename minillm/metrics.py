@@ -43,6 +43,8 @@ class RequestMetrics:
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     sample_index: int = 0           # n > 1: which sample; input tokens are counted for index 0 only
+    num_draft_tokens: int = 0       # speculative decoding (chapter 07): drafts verified
+    num_accepted_tokens: int = 0    # ... and accepted
 
     def record_scheduled(self, now: float) -> None:
         if self.first_scheduled_time is None:

@@ -5,7 +5,7 @@ tokens of a partial block or skips a missing block) are caught with a message th
 mistake. The references are checked against minillm's own prefix cache."""
 import random
 import re
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from pathlib import Path
 
 import nbformat
@@ -13,6 +13,7 @@ from grader_contract import LIMIT, contract_tests, planted_bug_tests
 
 from minillm.cache.prefix import PrefixCachingBlockManager, hash_block_tokens
 from minillm.grading import ch06, grade
+from minillm.grading.policy import reference_use
 
 NOTEBOOK = "06_prefix_caching.ipynb"
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,26 +25,42 @@ GRADED = {**FUNCTIONS, "FreeBlockQueue": ch06.FREE_QUEUE}
 
 
 # the contract for the one exercise that is a class (grader_contract looks for `def name(`)
-def class_from_notebook(path, name):
+def cell_from_notebook(path, name):
+    """The one code cell defining `class name` or `def name(`, executed alone: (object, source)."""
     nb = nbformat.read(str(path), as_version=4)
-    pattern = re.compile(rf"^class {re.escape(name)}\b", re.MULTILINE)
+    pattern = re.compile(rf"^(class {re.escape(name)}\b|def {re.escape(name)}\s*\()", re.MULTILINE)
     cells = [c.source for c in nb.cells if c.cell_type == "code" and pattern.search(c.source)]
-    assert len(cells) == 1, f"{path}: {len(cells)} cells define class {name}"
+    assert len(cells) == 1, f"{path}: {len(cells)} cells define {name}"
     namespace = {"__name__": "notebook_cell"}
     exec(compile(cells[0], f"<{path.name}: {name}>", "exec"), namespace)
     return namespace[name], cells[0]
 
 
+def solution(name):                  # loaders test_grading_transcript.py uses for this chapter
+    return cell_from_notebook(ROOT / "solutions" / NOTEBOOK, name)[0]
+
+
+def stub(name):
+    return cell_from_notebook(ROOT / "exercises" / NOTEBOOK, name)[0]
+
+
 def test_free_queue_solution_full_marks_stub_fails_markers_present():
-    solution, src = class_from_notebook(ROOT / "solutions" / NOTEBOOK, "FreeBlockQueue")
-    result = grade(ch06.FREE_QUEUE, solution, time_limit=LIMIT)
+    solution_cls, src = cell_from_notebook(ROOT / "solutions" / NOTEBOOK, "FreeBlockQueue")
+    result = grade(ch06.FREE_QUEUE, solution_cls, time_limit=LIMIT)
     assert result.full_marks and result.max >= 5, str(result)
     assert "### BEGIN SOLUTION" in src and "### END SOLUTION" in src
-    stub, stub_src = class_from_notebook(ROOT / "exercises" / NOTEBOOK, "FreeBlockQueue")
-    result = grade(ch06.FREE_QUEUE, stub, time_limit=LIMIT)
+    stub_cls, stub_src = cell_from_notebook(ROOT / "exercises" / NOTEBOOK, "FreeBlockQueue")
+    result = grade(ch06.FREE_QUEUE, stub_cls, time_limit=LIMIT)
     assert result.score == 0, str(result)
     assert all("not written yet" in m for m in result.messages), result.messages
     assert "### BEGIN SOLUTION" not in stub_src
+
+
+def test_solutions_and_exercises_raise_no_policy_flag():
+    """The defining cells use xxhash and the standard library, not minillm."""
+    for folder in ("solutions", "exercises"):
+        nb = nbformat.read(str(ROOT / folder / NOTEBOOK), as_version=4)
+        assert all(reference_use(nb, e) is None for e in ch06.EXERCISES), folder
 
 
 def test_chapter_lists_its_exercises_for_batch_grading():
@@ -127,29 +144,22 @@ class LifoQueue:
             raise ValueError(b)
         del self.d[b]
 
-    def __len__(self):
+    @property
+    def num_free_blocks(self):
         return len(self.d)
 
 
-class ScanningQueue:
-    """Right order, but remove scans a deque: O(n)."""
-
-    def __init__(self):
-        self.q = deque()
+class FrontAppendQueue(LifoQueue):
+    """A freed block goes to the head: the most recently used block is evicted first."""
 
     def append(self, b):
-        self.q.append(b)
+        self.d[b] = None
+        self.d.move_to_end(b, last=False)
 
     def popleft(self):
-        if not self.q:
+        if not self.d:
             raise ValueError("empty")
-        return self.q.popleft()
-
-    def remove(self, b):
-        self.q.remove(b)
-
-    def __len__(self):
-        return len(self.q)
+        return self.d.popitem(last=False)[0]
 
 
 class ForgetfulRevivalQueue(LifoQueue):
@@ -197,7 +207,7 @@ BUGS = [
     ("block_keys", keys_ignore_salt, "cache_salt", "same keys as no salt"),
     ("block_keys", keys_off_by_one, "one key per full block", "one per FULL block"),
     ("FreeBlockQueue", LifoQueue, "least recently freed", "most recently freed"),
-    ("FreeBlockQueue", ScanningQueue, "O(1)", "scans the queue"),
+    ("FreeBlockQueue", FrontAppendQueue, "freed again goes to the tail", "most recently used"),
     ("FreeBlockQueue", ForgetfulRevivalQueue, "out of the middle", "still handed out"),
     ("num_cached_tokens", hit_whole_prompt, "last prompt token", "must be computed"),
     ("num_cached_tokens", hit_token_level, "full blocks", "only FULL blocks"),

@@ -204,7 +204,7 @@ def batch(tmp_path_factory):
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "minillm.grading", str(ROOT / "exercises"),
                            "--submissions", str(subs_dir), "--out", str(out), "--timeout", "90",
-                           "--check-time-limit", "4", "--cell-timeout", "10",
+                           "--check-time-limit", "6", "--cell-timeout", "12",
                            "--feedback", str(folder / "feedback")],
                           capture_output=True, text=True, timeout=900, cwd=folder, env=env)
     elapsed = time.monotonic() - start
@@ -407,3 +407,26 @@ def test_limits_that_cannot_work_together_are_refused(tmp_path, capsys):
     assert code == 2
     assert "--cell-timeout (5 s) must be longer than --check-time-limit (10 s)" in \
         capsys.readouterr().err
+
+
+def test_measure_runs_beside_the_learner_and_is_replayed_as_a_number(tmp_path):
+    from minillm.grading.core import measure
+    calls = []
+
+    def calls_made(fn, n):                    # a stand-in for timing the learner's code
+        calls.append(n)
+        return sum(fn(i) for i in range(n))
+
+    exercise = Exercise("test.measure", "f", (
+        Check("sum", lambda fn: (measure(calls_made, fn, 1000) == 499500, "wrong sum")),))
+    path = tmp_path / "r.jsonl"
+    os.environ[transcript.RECORD_ENV] = str(path)
+    try:
+        local = grade(exercise, lambda i: i, time_limit=30, isolation="none")
+    finally:
+        del os.environ[transcript.RECORD_ENV]
+    assert local.full_marks and calls == [1000]          # ran once, on the real function
+    lines = path.read_text().splitlines()
+    assert sum('"t":"io"' in line for line in lines) == 1   # one answer, not 1000 calls
+    replayed = transcript.grade_recorded(exercise, transcript.read_records(path)["test.measure"])
+    assert replayed.full_marks and calls == [1000]       # the replay did not run the helper

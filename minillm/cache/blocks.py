@@ -141,6 +141,17 @@ class BlockManager:
         self.lengths[seq_id] = num_tokens
         return copies
 
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Shrink seq_id to its first num_tokens tokens (speculative decoding's rollback of
+        rejected drafts, chapter 07): blocks past them go back to the pool."""
+        table, n = self._table(seq_id), self.lengths[seq_id]
+        if not 0 <= num_tokens <= n:
+            raise ValueError(f"sequence {seq_id!r} holds {n} tokens; cannot truncate to {num_tokens}")
+        keep = -(-num_tokens // self.block_size)
+        while len(table) > keep:
+            self.pool.decref(table.pop())
+        self.lengths[seq_id] = num_tokens
+
     def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
         """Physical slots (block * block_size + offset) of token positions [start, end)."""
         table, n = self._table(seq_id), self.lengths[seq_id]

@@ -72,7 +72,10 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
-                 device=None, dtype=None, clock=None):
+                 device=None, dtype=None, clock=None, speculative_config=None):
+        if speculative_config is not None:   # fail before loading anything
+            from .spec_decode import parse_speculative_config
+            parse_speculative_config(speculative_config)
         if isinstance(model, tuple):
             model, tokenizer = model
         elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
@@ -90,7 +93,8 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 enable_prefix_caching=enable_prefix_caching,
-                                scheduling=scheduling, preemption=preemption, clock=clock)
+                                scheduling=scheduling, preemption=preemption, clock=clock,
+                                speculative_config=speculative_config)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],

@@ -72,7 +72,11 @@ class LLMEngine:
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
-                 clock=None, max_step_stats: int = 100_000):
+                 clock=None, max_step_stats: int = 100_000,
+                 speculative_config: Optional[dict] = None):
+        if speculative_config is not None:       # chapter 07; validated before anything else
+            from .spec_decode import parse_speculative_config
+            parse_speculative_config(speculative_config)
         if int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model = model.eval()
@@ -112,6 +116,10 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._unreturned: list = []              # finished request ids (abort...) not yet returned
         self.step_stats = collections.deque(maxlen=max_step_stats)
+        self.spec = None                         # SpecDecoder when speculating (chapter 07)
+        if speculative_config is not None:
+            from .spec_decode import SpecDecoder
+            self.spec = SpecDecoder(speculative_config, model)
 
     # --- requests ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list:
@@ -176,6 +184,8 @@ class LLMEngine:
             if not r.is_finished:
                 self.scheduler.finish(r, "abort")
                 r.metrics.finished_time = now
+                if self.spec is not None:
+                    self.spec.release(r)
         self._unreturned.append(request_id)
         return True
 
@@ -232,9 +242,17 @@ class LLMEngine:
     def _run_step(self, sched, finished: list) -> None:
         """Copies, forward, sampling and stop checks of one scheduled step. A request's
         num_computed_tokens advances only once its step's work succeeded: right after the
-        forward for a prefill chunk that samples nothing, together with its new token else."""
+        forward for a prefill chunk that samples nothing, together with its new token else.
+        With speculation (chapter 07) a decode may verify k drafts: its 1 + k logits rows go to
+        the SpecDecoder, and the rejected positions are rolled back (counter and blocks)."""
         self.runner.copy_blocks(sched)
-        logits, sampling_reqs = self._forward(sched.scheduled, finished)   # [S, V]
+        num_spec = {req.seq_id: max(0, req.num_computed_tokens + n - req.num_tokens)
+                    for req, n in sched.scheduled}         # drafts verified per request
+        if self.spec is not None:
+            with self.spec.capture() as cap:
+                logits, sampling_reqs = self._forward(sched.scheduled, finished)   # [S, V]
+        else:
+            logits, sampling_reqs = self._forward(sched.scheduled, finished)       # [S, V]
         n_new = {req.seq_id: n for req, n in sched.scheduled}
         sampling = set(id(r) for r in sampling_reqs)
         for req, n in sched.scheduled:
@@ -243,29 +261,79 @@ class LLMEngine:
                 self._cache_full_blocks(req)
 
         rows = []                               # (request, row of logits) per sequence to sample
-        for i, req in enumerate(sampling_reqs):
-            rows.append((req, i))
-            if not req.forked:
-                for child in self._fork(req):
-                    rows.append((child, i))
-                    n_new[child.seq_id] = n_new[req.seq_id]
+        spec_rows = []                          # (request, first row, drafts) to verify
+        offset = 0
+        for req in sampling_reqs:
+            k = num_spec[req.seq_id]
+            if k:
+                spec_rows.append((req, offset, k))
+            else:
+                rows.append((req, offset))
+                if not req.forked:
+                    for child in self._fork(req):
+                        rows.append((child, offset))
+                        n_new[child.seq_id] = n_new[req.seq_id]
+            offset += 1 + k
         tokens = sample_tokens(logits, rows) if rows else []
-        now = self.clock()
-        for (req, _), token in zip(rows, tokens):
+        emitted = []                            # (request, row of its last token, new tokens)
+        for (req, row), token in zip(rows, tokens):
             if isinstance(token, BaseException):
                 self._fail(req, f"sampling failed: {type(token).__name__}: {token}", finished)
                 continue
             req.num_computed_tokens += n_new[req.seq_id]
-            self._cache_full_blocks(req)
-            req.output_token_ids.append(token)
-            req.metrics.record_token(now)
+            emitted.append((req, row, [token]))
+        for req, row, k in spec_rows:
             try:
-                reason = self._stop_reason(req, token)
+                toks = self.spec.verify(req, logits[row:row + 1 + k], k)
             except Exception as e:              # noqa: BLE001 - this request's error only
-                self._fail(req, f"stop check failed: {type(e).__name__}: {e}", finished)
+                self._fail(req, f"verification failed: {type(e).__name__}: {e}", finished)
                 continue
+            rejected = k - (len(toks) - 1)
+            req.num_computed_tokens += n_new[req.seq_id] - rejected   # roll back rejected drafts
+            self.block_manager.truncate(req.seq_id, req.num_computed_tokens)
+            emitted.append((req, row + len(toks) - 1, toks))
+        now = self.clock()
+        for req, _, toks in emitted:
+            reason = None
+            for token in toks:
+                req.output_token_ids.append(token)
+                req.metrics.record_token(now)
+                try:
+                    reason = self._stop_reason(req, token)
+                except Exception as e:          # noqa: BLE001 - this request's error only
+                    self._fail(req, f"stop check failed: {type(e).__name__}: {e}", finished)
+                    reason = "error"
+                    break
+                if reason is not None:
+                    break
+            if reason == "error":
+                continue
+            # a stop inside the accepted drafts drops the tokens after it: cache only what stays
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self._cache_full_blocks(req)        # never a block holding a rejected draft
             if reason is not None:
                 self._finish(req, reason, now, finished)
+        if self.spec is not None:               # the next step's drafts
+            self._propose(emitted, cap, logits.shape[0], finished)
+
+    def _propose(self, emitted: list, cap, num_rows: int, finished: list) -> None:
+        """Drafts for every request that just got tokens and keeps decoding. Drafts only
+        change speed, never output, so a proposer error costs nothing but the drafts."""
+        hidden = None
+        if self.spec.needs_hidden and cap.value is not None and cap.value.shape[1] == num_rows:
+            hidden = cap.value[0]                # [S, C] the rows the logits came from
+        items = [(req, None if hidden is None else hidden[row])
+                 for req, row, _ in emitted if not req.is_finished]
+        if self.spec.needs_hidden and hidden is None:
+            items = [(req, None) for req, _ in items]
+            for req, _ in items:
+                req.spec_token_ids, req.spec_draft_probs = [], None
+            return
+        try:
+            self.spec.propose(items)
+        except Exception:                       # noqa: BLE001 - decode without drafts
+            for req, _ in items:
+                req.spec_token_ids, req.spec_draft_probs = [], None
 
     def _cache_full_blocks(self, req: Request) -> None:
         """Prefix caching: the blocks this step filled hold computed K/V now; register them so
@@ -302,6 +370,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str, now: float, finished: list) -> None:
         self.scheduler.finish(req, reason)
         req.metrics.finished_time = now
+        if self.spec is not None:
+            self.spec.release(req)
         group = self.groups[req.request_id]
         if all(r.is_finished for r in group) and req.request_id not in finished:
             finished.append(req.request_id)
@@ -382,6 +452,12 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def spec_decode_stats(self):
+        """Speculative decoding counts over the engine's life (minillm.spec.SpecStats:
+        acceptance_rate, mean_accepted_length, acceptance_by_position), or None."""
+        return self.spec.stats if self.spec is not None else None
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix that no running request holds (vLLM's reset_prefix_cache).

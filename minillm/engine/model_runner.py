@@ -73,8 +73,9 @@ class ModelRunner:
             tables.append(self.bm.block_table(req.seq_id))
             seq_lens.append(end)
             cu.append(cu[-1] + n)
-            if end == req.num_tokens:                        # the step reaches its last token
-                sample_rows.append(cu[-1] - 1)
+            num_spec = end - req.num_tokens                  # drafts verified (chapter 07)
+            if num_spec >= 0:                                # the step reaches its last token
+                sample_rows.extend(range(cu[-1] - 1 - num_spec, cu[-1]))
                 sampling_reqs.append(req)
         width = max(len(t) for t in tables)
         tables = [t + [0] * (width - len(t)) for t in tables]
@@ -106,7 +107,8 @@ class ModelRunner:
 
     def run(self, scheduled):
         """Prepare and run the forward for [(request, num_new_tokens)]. Returns (logits [S, V],
-        the S requests whose step reaches their last token). Writes only these requests' new
+        the requests whose step reaches their last token: one row each, 1 + k rows for one that
+        verifies k speculative drafts). Writes only these requests' new
         K/V slots, so running it again for some of them (after a failure) is harmless."""
         step, sampling_reqs = self.prepare(scheduled)
         return self.forward(step), sampling_reqs

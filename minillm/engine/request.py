@@ -62,6 +62,8 @@ class Request:
         self.swapped_blocks: list = []             # CPU block ids while SWAPPED
         self.cache_salt = cache_salt               # prefix-cache namespace (chapter 06)
         self.num_cached_tokens: Optional[int] = None   # prompt tokens hit at first admission
+        self.spec_token_ids: list = []             # drafts to verify next step (chapter 07)
+        self.spec_draft_probs = None               # their draft distributions [k, V] or None
         self.metrics = RequestMetrics(arrival_time=arrival_time,
                                       num_prompt_tokens=len(self.prompt_token_ids),
                                       sample_index=sample_index)
@@ -90,6 +92,10 @@ class Request:
         return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
 
     def token_ids(self, start: int, end: int) -> list:
+        """Tokens [start, end); positions past num_tokens are the drafts (chapter 07)."""
+        if end > self.num_tokens:
+            n = self.num_tokens
+            return self.token_ids(start, n) + self.spec_token_ids[:end - n]
         p = len(self.prompt_token_ids)
         if end <= p:
             return self.prompt_token_ids[start:end]

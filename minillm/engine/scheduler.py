@@ -159,6 +159,7 @@ class Scheduler:
         # 1. running requests: decodes first, then prefill chunks, oldest first within each.
         order = ([r for r in self.running if not r.is_prefill] +
                  [r for r in self.running if r.is_prefill])
+        decodes_left = len(order) - sum(r.is_prefill for r in order)
         for req in order:
             if req.status != RequestStatus.RUNNING:       # preempted earlier in this step
                 continue
@@ -168,6 +169,9 @@ class Scheduler:
             n = self._chunk(req, budget)
             if n == 0:
                 continue
+            if not req.is_prefill:
+                decodes_left -= 1
+                n += self._num_spec(req, budget - decodes_left - n)
             self._reserve(req, n, out)
 
         # 2. admissions, only when nobody was preempted in this step.
@@ -183,6 +187,15 @@ class Scheduler:
         if self.enable_chunked_prefill or n > self.max_num_batched_tokens:
             return budget
         return 0
+
+    def _num_spec(self, req: Request, budget: int) -> int:
+        """Speculative drafts (chapter 07) that ride along with a decode: as many as the budget
+        leaves (every other decode keeps its slot) and only if the blocks are free, so drafts
+        never cause a preemption. Positions past num_tokens are drafts (Request.token_ids)."""
+        k = min(len(req.spec_token_ids), max(0, budget))
+        while k and not self.bm.can_allocate(req.seq_id, req.num_tokens + k):
+            k -= 1
+        return k
 
     def _reserve(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Allocate blocks for n more tokens of a running request, preempting the newest running

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .timelimit import default_time_limit, describe_exception, run_stream
-from .transcript import recorder_from_env
+from .transcript import measure, recorder_from_env  # noqa: F401  (measure: for checks)
 
 GRADE_LINE_PREFIX = "[minillm-grade]"
 GRADE_LINE_RE = re.compile(r"^\[minillm-grade\] (?P<exercise>[A-Za-z0-9_.\-]+) "

@@ -119,6 +119,8 @@ def request_digest(channel, oid: int, op: str, name: Optional[str], args, kwargs
 def _describe(op: str, name, args) -> str:
     if op == "getattr":
         return f".{name}"
+    if op == "measure":
+        return f"measure {name}"
     if op == "call":
         return f"call with {len(args)} argument(s)"
     return op
@@ -320,8 +322,9 @@ _PROXY_CLASSES: dict = {}
 
 class LearnerObject:
     """Stands for an object of the learner's code (the submitted function or class, an instance,
-    a method): calls, attribute reads, repr() and str() go through the channel; anything else
-    behaves like a plain object, identically on both sides."""
+    a method): calls, attribute reads, repr(), str(), len(), truth, `in`, indexing and iteration
+    (answered as one list) go through the channel; anything else (==, hash) behaves like a plain
+    object, identically on both sides."""
     __slots__ = ("_channel", "_oid")
 
     def __init__(self, channel, oid: int):
@@ -341,6 +344,21 @@ class LearnerObject:
 
     def __repr__(self):
         return _text(self._channel.interact(self._oid, "repr", None, (), {}), "__repr__")
+
+    def __len__(self):
+        return self._channel.interact(self._oid, "len", None, (), {})
+
+    def __bool__(self):
+        return bool(self._channel.interact(self._oid, "bool", None, (), {}))
+
+    def __contains__(self, item):
+        return bool(self._channel.interact(self._oid, "contains", None, (item,), {}))
+
+    def __getitem__(self, key):
+        return self._channel.interact(self._oid, "getitem", None, (key,), {})
+
+    def __iter__(self):                  # the whole iteration is one answer: a list
+        return iter(self._channel.interact(self._oid, "iter", None, (), {}))
 
     def __str__(self):
         return _text(self._channel.interact(self._oid, "str", None, (), {}), "__str__")
@@ -432,7 +450,7 @@ class RecordingChannel(_Channel):
             return self.objects[value._oid]
         return value
 
-    def interact(self, oid, op, name, args, kwargs):
+    def interact(self, oid, op, name, args, kwargs, helper=None):
         digest = request_digest(self, oid, op, name, args, kwargs)
         real = self.objects[oid]
         real_args = [self._real(a) for a in args]
@@ -444,10 +462,22 @@ class RecordingChannel(_Channel):
         try:
             if op == "call":
                 value = real(*real_args, **real_kwargs)
+            elif op == "measure":                    # the check's helper, beside the learner
+                value = helper(real, *real_args, **real_kwargs)
             elif op == "getattr":
                 value = getattr(real, name)
             elif op == "repr":
                 value = repr(real)
+            elif op == "len":
+                value = len(real)
+            elif op == "bool":
+                value = bool(real)
+            elif op == "contains":
+                value = real_args[0] in real
+            elif op == "getitem":
+                value = real[real_args[0]]
+            elif op == "iter":
+                value = list(real)
             else:
                 value = str(real)
             response["value"] = encode(value, self.register)
@@ -472,7 +502,7 @@ class ReplayChannel(_Channel):
         super().__init__()
         self.interactions = interactions
 
-    def interact(self, oid, op, name, args, kwargs):
+    def interact(self, oid, op, name, args, kwargs, helper=None):
         if self.seq >= len(self.interactions):
             raise ReplayEnd("exhausted")
         record = self.interactions[self.seq]
@@ -480,6 +510,18 @@ class ReplayChannel(_Channel):
             raise ReplayEnd("mismatch")
         self.seq += 1
         return self.respond(record.get("response"), args, kwargs)
+
+
+def measure(helper: Callable, learner, *args, **kwargs):
+    """helper(learner, *args, **kwargs), run beside the learner's code: for what only makes sense
+    where that code runs, such as timing it. In the instructor's batch grader the helper runs in
+    the learner's kernel, on the real object, and only its plain-data result is recorded (and
+    replayed to the trusted side), so it measures the learner's code, not the replay. The result
+    is as trustworthy as the learner's kernel: a hostile notebook can fake it."""
+    if isinstance(learner, LearnerObject):
+        name = f"{getattr(helper, '__module__', '')}.{getattr(helper, '__qualname__', helper)}"
+        return learner._channel.interact(learner._oid, "measure", name, args, kwargs, helper)
+    return helper(learner, *args, **kwargs)
 
 
 # =========================================================================== the kernel's side

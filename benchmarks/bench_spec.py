@@ -1,0 +1,223 @@
+"""Benchmark: speculative decoding (chapter 07) on the bundled SmolLM2-135M.
+
+Part 1, batch 1 (`minillm.spec.speculative_generate`, contiguous cache): output tokens/s with and
+without each method, on an input-grounded prompt set (copy / edit / quote / extract) and an
+open-ended one, at several temperatures; acceptance per draft position. Methods:
+
+    none         plain decoding, one target forward per token
+    ngram        prompt lookup (num_speculative_tokens K, prompt_lookup_min 1, max 4)
+    medusa       the committed Medusa heads (minillm/spec/weights), K <= 4
+    draft_model  the target with some layers skipped (a cheaper variant of the same model)
+
+The methods run side by side: for every prompt each method runs once, in rotating order, so
+machine load hits them alike. Speedup = that method's tokens/s / none's tokens/s, from the
+summed tokens and times over the prompts. Greedy outputs are checked to be identical.
+
+Part 2, the engine (`minillm.LLM`) at batch 1, 4, 16 with and without ngram on the grounded
+set: where speculation stops paying as the batch grows (the verification is no longer free when
+the step is compute-bound; on a CPU that comes early).
+
+    python benchmarks/bench_spec.py                         # CPU defaults (~10-20 min on 2 cores)
+    python benchmarks/bench_spec.py --num-prompts 2 --max-tokens 24 --temperatures 0   # smoke
+
+Writes benchmarks/results/spec_<device>_<date>.json (device, date, versions, command, load) and a
+PNG with the same name. CPU numbers describe this CPU only; GPU numbers come from a GPU run.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import minillm  # noqa: E402
+from minillm import SamplingParams, spec  # noqa: E402
+from minillm.spec.prompts import chat, grounded_prompts, open_prompts  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+METHODS = ("none", "ngram", "medusa", "draft_model")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=4, help="per prompt set")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--temperatures", default="0,0.5,1.0")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--draft-skip", default="4,8,12,16,20,24",
+                   help="layers the draft_model variant skips")
+    p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--sweep-max-tokens", type=int, default=32)
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def proposers(model, args):
+    out = {"none": None, "ngram": spec.NgramProposer(1, 4)}
+    if spec.DEFAULT_WEIGHTS.exists():
+        out["medusa"] = spec.MedusaProposer(model, spec.MedusaHeads.load(model=model))
+    skip = [int(x) for x in args.draft_skip.split(",") if x]
+    out["draft_model"] = spec.DraftModelProposer(spec.skip_layer_model(model, skip))
+    wanted = args.methods.split(",")
+    return {m: p for m, p in out.items() if m in wanted}
+
+
+def batch1(model, tok, args, props) -> list:
+    rows = []
+    sets = {"grounded": chat(tok, grounded_prompts(args.num_prompts)),
+            "open": chat(tok, open_prompts(args.num_prompts))}
+    names = list(props)
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        for set_name, prompts in sets.items():
+            acc = {m: dict(tokens=0, time=0.0, stats=spec.SpecStats(), outs=[]) for m in names}
+            for i, prompt in enumerate(prompts):
+                order = names[i % len(names):] + names[:i % len(names)]   # rotate
+                for m in order:
+                    sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=i)
+                    st = spec.SpecStats()
+                    t0 = time.perf_counter()
+                    out = spec.speculative_generate(model, tok, prompt, props[m], args.k,
+                                                    args.max_tokens, sp, stats=st)
+                    dt = time.perf_counter() - t0
+                    a = acc[m]
+                    a["tokens"] += len(out)
+                    a["time"] += dt
+                    a["outs"].append(out)
+                    for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                              "num_target_forwards", "num_emitted_tokens"):
+                        setattr(a["stats"], f, getattr(a["stats"], f) + getattr(st, f))
+                    for lst in ("accepted_per_position", "drafted_per_position"):
+                        mine, theirs = getattr(a["stats"], lst), getattr(st, lst)
+                        mine.extend([0] * (len(theirs) - len(mine)))
+                        for j, v in enumerate(theirs):
+                            mine[j] += v
+                    a["stats"].draft_time += st.draft_time
+            base = acc["none"]["tokens"] / acc["none"]["time"] if "none" in acc else None
+            for m in names:
+                a = acc[m]
+                tps = a["tokens"] / a["time"]
+                row = dict(set=set_name, temperature=temp, method=m, k=args.k,
+                           num_prompts=len(prompts), output_tokens=a["tokens"],
+                           seconds=round(a["time"], 3), tokens_per_s=round(tps, 3),
+                           speedup=round(tps / base, 3) if base else None,
+                           draft_seconds=round(a["stats"].draft_time, 3),
+                           **{k: v for k, v in a["stats"].as_dict().items()})
+                if temp == 0 and "none" in acc:
+                    row["identical_to_plain_greedy"] = a["outs"] == acc["none"]["outs"]
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("set", "temperature", "method",
+                                                      "tokens_per_s", "speedup",
+                                                      "acceptance_rate")}), flush=True)
+    return rows
+
+
+def engine_sweep(model, tok, args) -> list:
+    rows = []
+    prompts = chat(tok, grounded_prompts(max(int(b) for b in args.batch_sizes.split(","))))
+    sp = SamplingParams(temperature=0.0, max_tokens=args.sweep_max_tokens)
+    for bs in [int(b) for b in args.batch_sizes.split(",")]:
+        res = {}
+        for rep in range(2):                                  # interleaved: A B A B
+            for name, cfg in (("none", None), ("ngram", dict(method="ngram",
+                                                             num_speculative_tokens=args.k,
+                                                             prompt_lookup_min=1,
+                                                             prompt_lookup_max=4))):
+                llm = minillm.LLM((model, tok), num_kv_blocks=64 * bs, max_num_seqs=bs,
+                                  speculative_config=cfg)
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts[:bs], sp, use_tqdm=False)
+                dt = time.perf_counter() - t0
+                r = res.setdefault(name, dict(times=[], tokens=sum(len(o.token_ids) for o in outs),
+                                              outs=[o.token_ids for o in outs]))
+                r["times"].append(dt)
+                st = llm.engine.spec_decode_stats
+                r["acceptance_rate"] = st.acceptance_rate if st else None
+        for name, r in res.items():
+            t = statistics.median(r["times"])
+            rows.append(dict(batch_size=bs, method=name, output_tokens=r["tokens"],
+                             seconds=round(t, 3), tokens_per_s=round(r["tokens"] / t, 3),
+                             acceptance_rate=r["acceptance_rate"],
+                             identical_to_plain_greedy=r["outs"] == res["none"]["outs"]))
+        base = rows[-2]["tokens_per_s"]
+        for r in rows[-2:]:
+            r["speedup"] = round(r["tokens_per_s"] / base, 3)
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def plot(result, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    b1 = [r for r in result["batch1"] if r["temperature"] == 0 and r["method"] != "none"]
+    labels = [f"{r['method']}\n{r['set']}" for r in b1]
+    axes[0].bar(labels, [r["speedup"] for r in b1], color="tab:blue")
+    axes[0].axhline(1, color="k", lw=0.8)
+    axes[0].set_ylabel("speedup vs plain decoding (batch 1, greedy)")
+    axes[0].tick_params(axis="x", labelsize=7)
+    for r in b1:
+        if r["set"] == "grounded" or r["method"] == "medusa":
+            axes[1].plot(range(1, len(r["acceptance_by_position"]) + 1),
+                         r["acceptance_by_position"], marker="o", label=f"{r['method']} {r['set']}")
+    axes[1].set_xlabel("draft position")
+    axes[1].set_ylabel("P(accepted | proposed), greedy")
+    axes[1].set_ylim(0, 1.05)
+    axes[1].legend(fontsize=7)
+    sw = [r for r in result["engine_sweep"] if r["method"] == "ngram"]
+    if not sw:                                                # --batch-sizes "": no sweep
+        axes[2].set_visible(False)
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
+    axes[2].plot([r["batch_size"] for r in sw], [r["speedup"] for r in sw], marker="o")
+    axes[2].axhline(1, color="k", lw=0.8)
+    axes[2].set_xscale("log", base=2)
+    axes[2].set_xlabel("batch size (engine, grounded prompts)")
+    axes[2].set_ylabel("ngram speedup")
+    fig.suptitle(f"speculative decoding, {result['device']}, {result['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, tok = minillm.load_model("smollm2-135m", device=args.device)
+    props = proposers(model, args)
+    load_before = os.getloadavg()
+    t0 = time.perf_counter()
+    result = dict(
+        device=(torch.cuda.get_device_name() if args.device == "cuda" else
+                f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                f"{args.threads} threads)"),
+        date=datetime.date.today().isoformat(), torch=torch.__version__,
+        command="python " + " ".join(shlex.quote(a) for a in sys.argv),
+        model="smollm2-135m", k=args.k, max_tokens=args.max_tokens,
+        draft_model=f"SmolLM2-135M skipping layers {args.draft_skip}",
+        load_average_before=load_before)
+    result["batch1"] = batch1(model, tok, args, props)
+    result["engine_sweep"] = engine_sweep(model, tok, args) if args.batch_sizes else []
+    result["load_average_after"] = os.getloadavg()
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.out) if args.out else RESULTS / f"spec_{args.device}_{result['date'].replace('-', '')}.json"
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""Speculative decoding, standalone (chapter 07): the rejection sampler is exact, the greedy path
+is exact match, prompt lookup finds the longest latest match, the batch-1 loop reproduces plain
+decoding, and bad input names its fix.
+
+Exactness is shown two ways: (1) the sampler's output distribution computed by enumeration
+(acceptance term + normalised residual, over every draft outcome, across rounds) equals the
+target's sequence distribution to 1e-6 -- with random p and q, with q = 0 where p > 0, and with
+one-hot drafts; (2) the implementation itself, run with a fixed seed, passes a chi-square test
+against the target, and the same test rejects a sampler with a planted bug."""
+import random
+
+import pytest
+import torch
+
+import minillm
+from minillm import SamplingParams, configs, spec
+from minillm.loader import random_model
+from minillm.spec import theory as th
+from minillm.spec.rejection import greedy_accept, rejection_sample, residual
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB = 64
+
+
+# --- exactness by enumeration --------------------------------------------------------------------
+@pytest.mark.parametrize("V,k,length", [(3, 1, 3), (3, 2, 3), (4, 3, 2), (2, 4, 5)])
+@pytest.mark.parametrize("draft", ["random", "zeros", "one_hot"])
+def test_enumerated_distribution_equals_target(V, k, length, draft):
+    p = th.random_tree(V, seed=1, zeros=0.25)
+    q = {"random": th.random_tree(V, seed=2),
+         "zeros": th.random_tree(V, seed=3, zeros=0.5),
+         "one_hot": th.random_tree(V, seed=4, one_hot=True)}[draft]
+    got = th.sequence_distribution(p, q, k, length)
+    want = th.target_sequence_distribution(p, V, length)
+    assert th.max_abs_difference(got, want) < 1e-6
+    assert abs(sum(got.values()) - 1) < 1e-9
+
+
+def test_zero_draft_mass_where_target_has_mass_is_covered():
+    """The case the residual exists for: q(x) = 0 < p(x). x can only come from the residual."""
+    p = lambda pre: torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
+    q = lambda pre: torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64)
+    got = th.round_outcomes(p, q, 1)
+    first = {x: sum(v for s, v in got.items() if s[0] == x) for x in range(3)}
+    assert first[0] == pytest.approx(0.5, abs=1e-12) and first[1] == pytest.approx(0.3, abs=1e-12)
+
+
+def test_enumeration_detects_a_biased_rule():
+    """The proof can fail: drop the residual's renormalisation and the totals no longer match."""
+    p = th.random_tree(3, seed=1)
+    q = th.random_tree(3, seed=2)
+    good = th.round_outcomes(p, q, 1)
+    first = lambda d: [sum(v for s, v in d.items() if s[0] == x) for x in range(3)]
+    assert first(good) == pytest.approx(p(()).tolist(), abs=1e-9)
+    pt, qt = p(()), q(())
+    alpha = th.acceptance_prob(pt, qt)
+    # emitting from p instead of the residual at a rejection: min(p, q) + (1 - alpha) p != p
+    biased = torch.minimum(pt, qt) + (1 - alpha) * pt
+    assert float((biased - pt).abs().max()) > 1e-3
+
+
+def test_acceptance_is_one_minus_total_variation():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        p = torch.rand(10, generator=g, dtype=torch.float64).softmax(0)
+        q = torch.rand(10, generator=g, dtype=torch.float64).pow(3).softmax(0)
+        assert th.acceptance_prob(p, q) == pytest.approx(1 - th.total_variation(p, q), abs=1e-12)
+
+
+# --- the implementation, sampled ------------------------------------------------------------------
+def _chi_square_of(sampler, n=3000, seed=0):
+    V, k, length = 3, 2, 2
+    p = th.random_tree(V, seed=11, zeros=0.2)
+    q = th.random_tree(V, seed=12, zeros=0.3)
+    g = torch.Generator().manual_seed(seed)
+    counts = {}
+    for _ in range(n):
+        s = th.run_rounds(p, q, k, length, g, sampler)
+        counts[s] = counts.get(s, 0) + 1
+    return th.chi_square(counts, th.target_sequence_distribution(p, V, length))
+
+
+def test_chi_square_of_the_implementation():
+    stat, pval = _chi_square_of(rejection_sample)
+    assert pval > 1e-3, f"chi-square {stat:.1f}, p-value {pval:.2e}"
+
+
+def test_chi_square_rejects_a_planted_bug():
+    def no_residual(target_probs, ids, draft_probs, generator):   # resample from p on rejection
+        out = []
+        for i, d in enumerate(ids):
+            p, q = target_probs[i], draft_probs[i]
+            if float(torch.rand((), generator=generator)) * float(q[d]) < float(p[d]):
+                out.append(d)
+                continue
+            return out + [int(torch.multinomial(p.float(), 1, generator=generator))]
+        return out + [int(torch.multinomial(target_probs[-1].float(), 1, generator=generator))]
+    stat, pval = _chi_square_of(no_residual)
+    assert pval < 1e-6, f"the biased sampler passed: chi-square {stat:.1f}, p {pval:.2e}"
+
+
+def test_one_hot_draft_first_token_frequencies():
+    p = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]], dtype=torch.float64)
+    g = torch.Generator().manual_seed(1)
+    counts = [0, 0, 0]
+    n = 6000
+    for _ in range(n):
+        counts[rejection_sample(p, [1], None, g)[0]] += 1
+    stat, pval = th.chi_square({(x,): c for x, c in enumerate(counts)},
+                               {(x,): float(p[0, x]) for x in range(3)})
+    assert pval > 1e-3
+
+
+def test_rejection_sample_edges():
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    assert rejection_sample(p, [1], None, g) == [1, 2]          # certain accept, then bonus
+    assert rejection_sample(p, [0], None, g) == [1]             # p(d) = 0: always rejected
+    q = torch.tensor([[0.5, 0.5, 0.0]])
+    assert rejection_sample(p, [0], q, g) == [1]
+    assert rejection_sample(p[1:], [], None, g) == [2]          # k = 0: just the bonus
+    assert residual(torch.tensor([0.5, 0.5]), torch.tensor([0.5, 0.5])).sum() == pytest.approx(1)
+
+
+def test_greedy_accept():
+    assert greedy_accept([5, 6, 7], [5, 6]) == [5, 6, 7]
+    assert greedy_accept([5, 6, 7], [5, 9]) == [5, 6]
+    assert greedy_accept([5, 6, 7], [4, 6]) == [5]
+    with pytest.raises(ValueError, match="k \\+ 1"):
+        greedy_accept([5, 6], [5, 6])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(target_probs=torch.ones(2, 4) / 4, draft_token_ids=[1, 2]), "k \\+ 1"),
+    (dict(target_probs=torch.ones(2, 4) / 4, draft_token_ids=[7]), "in \\[0, 4\\)"),
+    (dict(target_probs=torch.ones(2, 4) / 4, draft_token_ids=[1],
+          draft_probs=torch.ones(1, 5) / 5), "pass None"),
+    (dict(target_probs=torch.ones(4) / 4, draft_token_ids=[]), "\\[k \\+ 1, vocab\\]"),
+])
+def test_rejection_sample_bad_input(bad, match):
+    with pytest.raises(ValueError, match=match):
+        rejection_sample(**bad)
+
+
+# --- formulas -----------------------------------------------------------------------------------
+def test_formulas():
+    assert th.expected_tokens(0.5, 4) == pytest.approx(1.9375)
+    assert th.expected_tokens(1.0, 4) == 5 and th.expected_tokens(0.0, 4) == 1
+    assert th.speedup(0.5, 4, 0.05) == pytest.approx(1.9375 / 1.2)
+    for k, c, alpha in [(4, 0.05, 0.167), (4, 0.2, 0.455), (4, 0.5, 0.741)]:
+        a = th.break_even_alpha(k, c)
+        assert a == pytest.approx(alpha, abs=1e-3)
+        assert th.speedup(a, k, c) == pytest.approx(1, abs=1e-6)
+    assert th.break_even_alpha(4, 0.0) == 0.0
+
+
+# --- n-gram lookup --------------------------------------------------------------------------------
+def test_ngram_longest_latest_match():
+    ids = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    # suffix [2, 3]: latest earlier occurrence at index 5 -> proposes 4, 5, 7
+    assert spec.ngram_propose(ids, 3, 1, 4) == [4, 5, 7]
+    # the longer match wins over a later shorter one
+    ids = [1, 2, 3, 8, 8, 5, 2, 3, 6, 1, 2, 3]
+    assert spec.ngram_propose(ids, 2, 1, 3) == [8, 8]            # n = 3 matches at 0
+    assert spec.ngram_propose(ids, 2, 3, 3) == [8, 8]            # only n = 3: [1, 2, 3] at 0
+    assert spec.ngram_propose(ids, 2, 2, 2) == [6, 1]            # n = 2: latest [2, 3] at 6
+    assert spec.ngram_propose(ids, 5, 1, 1) == [6, 1, 2, 3]      # capped by the sequence end
+    assert spec.ngram_propose([1, 2, 3, 4], 3, 1, 3) == []       # nothing repeats
+    assert spec.ngram_propose([7], 3, 1, 3) == []
+    assert spec.ngram_propose([7, 7, 7], 4, 1, 2) == [7]         # overlap with the suffix is fine
+
+
+def test_ngram_matches_a_brute_force_definition():
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = [rng.randrange(4) for _ in range(rng.randint(1, 30))]
+        lo = rng.randint(1, 3)
+        hi = rng.randint(lo, 5)
+        k = rng.randint(1, 5)
+        want = []
+        for n in range(hi, lo - 1, -1):
+            if n >= len(ids):
+                continue
+            hits = [s for s in range(len(ids) - n) if ids[s:s + n] == ids[-n:]]
+            if hits:
+                want = ids[max(hits) + n:max(hits) + n + k]
+                break
+        assert spec.ngram_propose(ids, k, lo, hi) == want, (ids, k, lo, hi)
+
+
+@pytest.mark.parametrize("k,lo,hi,match", [(0, 1, 2, "num_speculative_tokens"),
+                                           (2, 3, 2, "prompt_lookup_min <= prompt_lookup_max"),
+                                           (2, 0, 2, "prompt_lookup_min must be")])
+def test_ngram_bad_input(k, lo, hi, match):
+    with pytest.raises(ValueError, match=match):
+        spec.ngram_propose([1, 2, 3], k, lo, hi)
+
+
+# --- the batch-1 loop on a tiny random model ------------------------------------------------------
+def tiny_model(seed=0, layers=2):
+    cfg = configs.get("smollm2-135m").with_(
+        name="tiny", num_layers=layers, hidden_size=64, intermediate_size=128, num_heads=4,
+        num_kv_heads=2, head_dim=16, vocab_size=VOCAB, max_position_embeddings=256,
+        eos_token_id=None, bos_token_id=None)
+    return random_model(cfg, "cpu", torch.float32, seed=seed, std=0.3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(layers=3)
+
+
+def _proposers(model):
+    return {"ngram": spec.NgramProposer(1, 3),
+            "self": spec.DraftModelProposer(model),                     # accepts everything
+            "early_exit": spec.DraftModelProposer(spec.early_exit_model(model, 1)),
+            "skip_layer": spec.DraftModelProposer(spec.skip_layer_model(model, [1])),
+            "medusa": spec.MedusaProposer(model, spec.MedusaHeads.for_model(model, 3))}
+
+
+@pytest.mark.parametrize("name", ["ngram", "self", "early_exit", "skip_layer", "medusa"])
+def test_loop_greedy_equals_plain_greedy(tiny, name):
+    rng = random.Random(1)
+    proposer = _proposers(tiny)[name]
+    stats = spec.SpecStats()
+    for _ in range(4):
+        base = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))]
+        prompt = base * 3                                               # something to look up
+        want = minillm.generate(tiny, None, prompt, max_new_tokens=24)
+        got = spec.speculative_generate(tiny, None, prompt, proposer, 3, 24, stats=stats)
+        assert got == want
+    assert stats.num_draft_tokens > 0
+    if name == "self":
+        assert stats.acceptance_rate == 1.0 and stats.accepted_per_position[0] == stats.num_drafts
+    if name in ("ngram", "early_exit"):
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_loop_sampled_reproduces_and_matches_target_first_token(tiny):
+    sp = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    prop = spec.DraftModelProposer(spec.early_exit_model(tiny, 1))
+    a = spec.speculative_generate(tiny, None, [1, 2, 3, 1, 2], prop, 3, 20, sp)
+    b = spec.speculative_generate(tiny, None, [1, 2, 3, 1, 2], prop, 3, 20, sp)
+    assert a == b and len(a) == 20
+
+
+def test_early_exit_shares_weights_and_leaves_the_target_alone(tiny):
+    d = spec.early_exit_model(tiny, 1)
+    assert len(d.layers) == 1 and len(tiny.layers) == 3 and d.config.num_layers == 1
+    assert d.lm_head.weight is tiny.lm_head.weight
+    with pytest.raises(ValueError, match="num_layers must be in"):
+        spec.early_exit_model(tiny, 4)
+
+
+# --- the learned draft's weights --------------------------------------------------------------------
+def test_medusa_heads_roundtrip_and_refuse_another_model(tmp_path, tiny):
+    heads = spec.MedusaHeads.for_model(tiny, 2)
+    torch.nn.init.normal_(heads.proj[0].weight, std=0.1)
+    path = tmp_path / "h.safetensors"
+    heads.save(path)
+    back = spec.MedusaHeads.load(path, tiny)
+    h = torch.randn(3, 64)
+    assert torch.allclose(back(h), heads(h).float(), atol=1e-2)
+    with pytest.raises(ValueError, match="make train-draft"):
+        spec.MedusaHeads.load(path, tiny_model(seed=5, layers=3))         # same shape, other weights
+    other = random_model(tiny.config.with_(hidden_size=32, head_dim=8), "cpu", torch.float32)
+    with pytest.raises(ValueError, match="hidden size 64"):
+        spec.MedusaHeads.load(path, other)
+    with pytest.raises(ValueError, match="at most 2"):
+        heads(h, 3)
+    with pytest.raises(ValueError, match="make train-draft"):
+        spec.MedusaHeads.load(tmp_path / "missing.safetensors")
