@@ -69,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per system, interleaved (A B C A B C ...); the row reports "
+                        "the median and keeps every run's seconds")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     for k, v in DEFAULTS[args.device].items():
@@ -78,6 +81,8 @@ def parse_args(argv=None):
         p.error("--device cuda needs a GPU; run without it for the CPU mode")
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     return args
 
 
@@ -208,6 +213,14 @@ def versions():
     return v
 
 
+def _loadavg():
+    """1-minute load average (CPU timings on a shared machine are only as good as this)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
 def device_name(device):
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -228,6 +241,7 @@ def main(argv=None):
               "workload": {"num_requests": args.num_requests, "min_len": args.min_len,
                            "max_len": args.max_len, "seed": args.seed, "ignore_eos": True,
                            "greedy": True},
+              "repeats": args.repeats, "load_before": _loadavg(),
               "engine": {"max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens},
               "rows": []}
@@ -236,20 +250,37 @@ def main(argv=None):
         prompts, outputs = workload(args.num_requests, args.min_len, args.max_len,
                                     mini.config.vocab_size, args.seed)
         warm_p, warm_o = workload(2, 4, 8, mini.config.vocab_size, args.seed + 1)
-        produced = {}
+        produced, runs = {}, {system: [] for system in args.systems}
         for system in args.systems:
             timed(system, mini, hf, warm_p, warm_o, args)           # warm-up
-            tokens, info = timed(system, mini, hf, prompts, outputs, args)
+        for rep in range(args.repeats):          # interleaved: load drifts hit every system
+            for system in args.systems:
+                tokens, info = timed(system, mini, hf, prompts, outputs, args)
+                runs[system].append((tokens, info))
+                shown = (f"{sum(outputs) / info['seconds']:9.1f} tok/s  {info['seconds']:7.2f} s"
+                         if tokens is not None else f"FAILED {info['error']}")
+                print(f"{name:14s} {system:15s} run {rep + 1}/{args.repeats} {shown}",
+                      flush=True)
+        for system in args.systems:
+            ok = [(t, i) for t, i in runs[system] if t is not None]
+            if not ok:
+                info = runs[system][-1][1]
+                record["rows"].append({"model": name, "weights": args.weights, "system": system,
+                                       **info})
+                continue
+            seconds = sorted(i["seconds"] for _, i in ok)
+            median = seconds[len(seconds) // 2] if len(seconds) % 2 else \
+                (seconds[len(seconds) // 2 - 1] + seconds[len(seconds) // 2]) / 2
+            tokens, info = ok[-1]
             row = {"model": name, "weights": args.weights, "system": system, **info,
-                   "input_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs)}
-            if tokens is not None:
-                row["output_tokens_per_s"] = sum(outputs) / info["seconds"]
-                row["lengths_ok"] = [len(t) for t in tokens] == outputs
-                produced[system] = tokens
+                   "seconds": median, "seconds_all": [i["seconds"] for _, i in ok],
+                   "input_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs),
+                   "output_tokens_per_s": sum(outputs) / median,
+                   "lengths_ok": [len(t) for t in tokens] == outputs}
+            produced[system] = tokens
             record["rows"].append(row)
-            shown = (f"{row['output_tokens_per_s']:9.1f} tok/s  {info['seconds']:7.2f} s"
-                     if tokens is not None else f"FAILED {info['error']}")
-            print(f"{name:14s} {system:15s} {shown}", flush=True)
+            print(f"{name:14s} {system:15s} median {row['output_tokens_per_s']:9.1f} tok/s "
+                  f"({len(ok)} runs)", flush=True)
         ref = produced.get("minillm")
         for row in record["rows"]:     # agreement with minillm's greedy tokens, per request
             if row["model"] == name and ref is not None and row["system"] in produced:
@@ -258,6 +289,14 @@ def main(argv=None):
         del mini, hf
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    record["load_after"] = _loadavg()
+    by_system = {r["system"]: r for r in record["rows"] if "output_tokens_per_s" in r}
+    if "minillm" in by_system:                 # the headline ratios, from the same run
+        base = by_system["minillm"]["output_tokens_per_s"]
+        record["minillm_speedup_vs"] = {s: base / r["output_tokens_per_s"]
+                                        for s, r in by_system.items() if s != "minillm"}
+        print("minillm continuous vs " + ", ".join(
+            f"{s}: {x:.2f}x" for s, x in record["minillm_speedup_vs"].items()))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"engine_{args.device}_{now.strftime('%Y%m%d')}"
     path = args.out_dir / f"{stem}.json"

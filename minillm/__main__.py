@@ -2,14 +2,20 @@
 
 Streams the reply token by token. Instruct models (a tokenizer with a chat template) get the prompt
 wrapped as a user turn; `--raw` sends the text as it is.
+
+Failures end in one line on stderr and a nonzero status, never a traceback: bad input (unknown
+model or device, a model without a tokenizer, bad sampling values) exits 2, anything else 1
+(set MINILLM_DEBUG=1 to see the traceback), Ctrl-C exits 130, and a reader that closes the pipe
+early (`... | head -c 20`) ends the command quietly with 141, as SIGPIPE would.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .generate import generate_stream
-from .loader import BUNDLED, load_model
+from .loader import BUNDLED, has_tokenizer, load_model, resolve_device
 from .sampling import SamplingParams
 
 
@@ -23,11 +29,15 @@ def prompt_ids(tok, text: str, raw: bool = False) -> list[int]:
 
 
 def cmd_generate(args) -> int:
-    model, tok = load_model(args.model, weights=args.weights, device=args.device)
-    if tok is None:
-        raise SystemExit(f"{args.model} has no tokenizer; the command line needs one")
+    # everything that can be checked cheaply is checked before the model is built
+    device = resolve_device(args.device)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
+    if not has_tokenizer(args.model):
+        raise ValueError(f"{args.model} has no tokenizer (only {BUNDLED} and checkpoint "
+                         "directories with tokenizer files have one); the command line needs "
+                         f"one: use --model {BUNDLED} or a checkpoint directory")
+    model, tok = load_model(args.model, weights=args.weights, device=device)
     ids = prompt_ids(tok, args.prompt, args.raw)
     new: list[int] = []
     shown = ""
@@ -41,6 +51,7 @@ def cmd_generate(args) -> int:
             sys.stdout.flush()
             shown = text
     sys.stdout.write("\n")
+    sys.stdout.flush()                                    # a closed pipe shows up here, not at exit
     return 0
 
 
@@ -61,9 +72,28 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return cmd_generate(args)
+    except KeyboardInterrupt:                  # Ctrl-C: stop quietly, as shells expect
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:                    # the reader went away (| head): nothing to say
+        _drop_stdout()
+        return 141
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:                     # noqa: BLE001 - one line, not a traceback
+        if os.environ.get("MINILLM_DEBUG"):
+            raise
+        print(f"error: {type(e).__name__}: {e} (set MINILLM_DEBUG=1 for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush does not fail again (the
+    recipe of Python's `signal` documentation for SIGPIPE)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -34,6 +34,30 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def resolve_device(device=None) -> torch.device:
+    """None -> the default device; else a torch.device that works here, or ValueError naming
+    the fix ("bogus" is no device; "cuda" on a machine without a GPU is not available)."""
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"unknown device {str(device)!r}: use 'cpu' or 'cuda' (or 'cuda:N')"
+                         ) from None
+    if dev.type in ("cpu", "meta"):
+        return dev
+    try:
+        if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+            raise RuntimeError(f"{torch.cuda.device_count()} CUDA device(s) visible")
+        torch.empty(0, device=dev)
+    except (RuntimeError, AssertionError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].split(". ")[0][:160]
+        other = "'cuda'" if torch.cuda.is_available() else "'cpu'"
+        raise ValueError(f"device {str(device)!r} is not available on this machine ({reason}); "
+                         f"use {other}") from None
+    return dev
+
+
 def default_dtype(device) -> torch.dtype:
     """Device policy: bf16 on a GPU that supports it (Ampere and later: A100, H100, L4, RTX 30xx+),
     fp16 on an older GPU without bf16 (T4, V100: the free notebook GPUs), fp32 on the CPU."""
@@ -163,7 +187,7 @@ def load_state_dict(model: Transformer, state: dict) -> Transformer:
 def random_model(cfg: ModelConfig, device=None, dtype=None, seed: int = 0,
                  std: float = 0.02) -> Transformer:
     """Seeded random weights at the config's real shapes (vLLM's "dummy" load format)."""
-    device = torch.device(device or default_device())
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     model = _empty_model(cfg, device, dtype)
     if device.type == "meta":                                # shapes only, nothing to fill
@@ -249,7 +273,7 @@ def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: st
     """
     if weights not in ("pretrained", "random"):
         raise ValueError(f"weights must be 'pretrained' or 'random', got {weights!r}")
-    device = torch.device(device or default_device())
+    device = resolve_device(device)
     dtype = dtype or default_dtype(device)
 
     if isinstance(name, ModelConfig):
@@ -264,8 +288,7 @@ def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: st
             model = random_model(model.config, device, dtype, seed)
         return model, tok
     if key not in configs.names():
-        raise ValueError(f"unknown model {str(name)!r}: give a local checkpoint directory or one "
-                         f"of the presets {', '.join(configs.names())}")
+        raise _unknown_model(name)
 
     tok = _bundled_tokenizer() if key == BUNDLED else None
     if weights == "random":
@@ -275,6 +298,24 @@ def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: st
                          "directory, or weights='random' for its shapes")
     model, tok = _load_dir(bundled_checkpoint(), device, dtype, name=BUNDLED)
     return model, tok
+
+
+def _unknown_model(name) -> ValueError:
+    return ValueError(f"unknown model {str(name)!r}: give a local checkpoint directory or one "
+                      f"of the presets {', '.join(configs.names())}")
+
+
+def has_tokenizer(name: Union[str, os.PathLike, ModelConfig] = BUNDLED) -> bool:
+    """Whether `load_model(name)` comes with a tokenizer, decided without building the model
+    (a random-weight 8B preset takes minutes and tens of GB to build, and has none)."""
+    if isinstance(name, ModelConfig):
+        return False
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if os.path.isdir(name) and key not in configs.names():
+        return any((Path(name) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
+    if key not in configs.names():
+        raise _unknown_model(name)
+    return key == BUNDLED
 
 
 def bundled_checkpoint() -> Path:

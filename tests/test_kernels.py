@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import minillm.kernels as K
-from minillm.kernels import paged_decode, reference
+from minillm.kernels import batched, paged_decode, reference
 from minillm.model import causal_attention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +112,45 @@ def test_reference_prefill_matches_causal_attention(group):
         expect = causal_attention(q[rows][None], ks[b][None].to(DEVICE), vs[b][None].to(DEVICE),
                                   q_start=n - ql)[0]
         torch.testing.assert_close(out[rows], expect, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- batched (CPU path)
+# minillm.kernels.batched: one gather + one SDPA call for the whole batch. The pool from paged_kv
+# is NaN wherever no sequence owns a slot, so reading past seq_len would show up as NaN.
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_matches_the_reference(block_size, group, dtype):
+    lens = lengths_for(block_size)
+    k_cache, v_cache, tables, seq_lens, _, _ = paged_kv(lens, block_size, dtype=dtype)
+    q = torch.randn(len(lens), KV_HEADS * group, HEAD_DIM, device=DEVICE).to(dtype)
+    args = (q, k_cache, v_cache, tables, seq_lens, HEAD_DIM ** -0.5)
+    assert_close(batched.paged_decode_attention(*args), reference.paged_decode_attention(*args),
+                 dtype)
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+@pytest.mark.parametrize("group", [1, 3])
+def test_batched_prefill_matches_the_reference(block_size, group):
+    """Chunks of several queries, single decodes and an empty chunk in one ragged batch."""
+    pairs = [(9, 9), (1, 17), (5, 21), (0, 4), (16, 32), (1, 1), (3, 3)]   # (q_len, seq_len)
+    k_cache, v_cache, tables, seq_lens, _, _ = paged_kv([s for _, s in pairs], block_size)
+    q_lens = [ql for ql, _ in pairs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEVICE)
+    q = torch.randn(sum(q_lens), KV_HEADS * group, HEAD_DIM, device=DEVICE)
+    args = (q, k_cache, v_cache, cu, seq_lens, tables, HEAD_DIM ** -0.5)
+    assert_close(batched.paged_prefill_attention(*args), reference.paged_prefill_attention(*args),
+                 torch.float32)
+
+
+def test_impl_torch_matches_impl_reference():
+    """The public functions with impl="torch" (the CPU default) and impl="reference" agree."""
+    k_cache, v_cache, tables, seq_lens, _, _ = paged_kv([3, 12, 7], 4)
+    q = torch.randn(3, KV_HEADS * 3, HEAD_DIM, device=DEVICE)
+    args = (q, k_cache, v_cache, tables, seq_lens, 0.2)
+    assert_close(K.paged_decode_attention(*args, impl="torch"),
+                 K.paged_decode_attention(*args, impl="reference"), torch.float32)
 
 
 def test_reference_gather_follows_the_block_table():
@@ -299,13 +338,17 @@ def test_dispatch_by_device(monkeypatch):
     k_cache, v_cache, tables, seq_lens, _, _ = paged_kv([5, 9], 8)
     q = torch.randn(2, 2, HEAD_DIM, device=DEVICE)
     used = []
-    real = reference.paged_decode_attention
-    monkeypatch.setattr(reference, "paged_decode_attention",
-                        lambda *a: used.append("reference") or real(*a))
+    for module in (reference, batched):
+        real = module.paged_decode_attention
+        monkeypatch.setattr(module, "paged_decode_attention",
+                            lambda *a, m=module.__name__, f=real: used.append(m) or f(*a))
     K.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1)
-    assert used == (["reference"] if DEVICE.type == "cpu" else [])
+    expect = ["minillm.kernels.batched"] if DEVICE.type == "cpu" else []
+    assert used == expect                                  # CPU: batched; CUDA: Triton
     K.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, impl="triton")
-    assert used == (["reference"] if DEVICE.type == "cpu" else [])
+    assert used == expect
+    K.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, impl="reference")
+    assert used == expect + ["minillm.kernels.reference"]
     with pytest.raises(ValueError, match="impl must be"):
         K.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1, impl="cuda")
 
@@ -341,7 +384,7 @@ BAD_DECODE = {
 }
 
 
-@pytest.mark.parametrize("impl", ["reference", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "torch", "triton"])
 @pytest.mark.parametrize("case", list(BAD_DECODE))
 def test_decode_bad_input(decode_inputs, case, impl):
     spoil, message = BAD_DECODE[case]

@@ -96,6 +96,14 @@ class PagedKVCache:
         check = not step["checked"]                               # check the tables once per step
         step["checked"] = True
         k_cache, v_cache = self.k[layer], self.v[layer]           # [num_blocks, bs, KVH, D]
+        if not check and kernels.choose_impl(self.impl, self.device) == "torch":
+            # The first layer checked this step's tensors through the public kernels; the
+            # others reuse one plan (gather rows, masks) of the batched CPU path.
+            if "plan" not in step:
+                step["plan"] = self._plan(step)
+            kernels.reference.store_kv(k_flat, v_flat, k_cache, v_cache, step["slot_mapping"])
+            out = kernels.batched.run(step["plan"], q_flat, k_cache, v_cache, self.scale)
+            return out.view(q.shape)                              # [B, T, H, D]
         kernels.store_kv(k_flat, v_flat, k_cache, v_cache, step["slot_mapping"],
                          impl=self.impl, check_values=check)
         if step["is_decode_only"]:
@@ -107,6 +115,13 @@ class PagedKVCache:
                                                   step["seq_lens"], step["block_tables"],
                                                   self.scale, impl=self.impl, check_values=check)
         return out.view(q.shape)                                  # [B, T, H, D]
+
+    def _plan(self, step):
+        if step["is_decode_only"]:
+            return kernels.batched.plan_decode(step["block_tables"], step["seq_lens"],
+                                               self.block_size)
+        return kernels.batched.plan_prefill(step["cu_seqlens_q"], step["seq_lens"],
+                                            step["block_tables"], self.block_size)
 
     def advance(self, num_tokens: int) -> None:
         if self.seq_ids is not None:

@@ -5,18 +5,21 @@
     paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
 
 Each public function checks its inputs (see `checks.py`), then runs the Triton kernel when the
-tensors are on CUDA and the twin from `reference.py` otherwise. `impl="triton"` or
+tensors are on CUDA and, elsewhere, the batched PyTorch path of `batched.py` (one gather and one
+attention call for the whole batch). `reference.py` holds the twins: a readable loop over
+sequences, the answer key of the tests. `impl="triton"`, `impl="torch"` (batched) or
 `impl="reference"` forces one; the tests run the Triton kernels on CPU tensors that way, with
 TRITON_INTERPRET=1 set before this package first imports a kernel (Triton decides at kernel
 definition time whether it compiles or interprets). The Triton modules are imported only when
 first used, so the references work where Triton is not installed.
 
-Files: reference.py (the twins), store_kv_kernel.py, paged_decode.py (single-pass and split-KV
+Files: reference.py (the twins), batched.py (the fast CPU path), store_kv_kernel.py, paged_decode.py (single-pass and split-KV
 decode, and the rule that picks one), paged_prefill.py, checks.py (input checks),
 compile_check.py (compile the kernels for a GPU on a machine without one).
 
 Keyword-only extras (not part of the vLLM-style signature):
-    impl          None (by device) | "triton" | "reference"
+    impl          None (by device: "triton" on CUDA, "torch" elsewhere) | "triton" | "torch"
+                  | "reference"
     check_values  True: check block ids / lengths / slots against the pool (one small host read
                   on CUDA); False: trust the caller, no sync (hot loops, CUDA graphs)
     split_kv, partition_size   (decode) force flash-decoding on/off and its slice length
@@ -28,18 +31,20 @@ import os
 
 import torch
 
-from . import checks, reference
+from . import batched, checks, reference
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "reference"]
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "reference",
+           "batched"]
 
-_IMPLS = (None, "triton", "reference")
+_IMPLS = (None, "triton", "torch", "reference")
 
 
-def _use_triton(impl, device: torch.device) -> bool:
+def choose_impl(impl, device: torch.device) -> str:
+    """Which implementation runs: "triton", "torch" (batched.py) or "reference"."""
     if impl not in _IMPLS:
-        raise ValueError(f"impl must be None, 'triton' or 'reference', got {impl!r}")
+        raise ValueError(f"impl must be None, 'triton', 'torch' or 'reference', got {impl!r}")
     if impl is None:
-        return device.type == "cuda"
+        return "triton" if device.type == "cuda" else "torch"
     if impl == "triton" and device.type != "cuda":
         from .paged_decode import interpreting       # the kernels are defined on first import
         if not interpreting():
@@ -47,7 +52,11 @@ def _use_triton(impl, device: torch.device) -> bool:
                 "impl='triton' on CPU tensors needs Triton's interpreter: set the environment "
                 "variable TRITON_INTERPRET=1 before minillm.kernels first runs a Triton kernel "
                 f"(it is {os.environ.get('TRITON_INTERPRET')!r}), or move the tensors to CUDA")
-    return impl == "triton"
+    return impl
+
+
+def _use_triton(impl, device: torch.device) -> bool:
+    return choose_impl(impl, device) == "triton"
 
 
 def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=True):
@@ -109,11 +118,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     checks.check_same_device(k_cache.device, q=q)
     if check_values and q.shape[0]:
         checks.raise_failed(checks.table_conditions(block_tables, seq_lens, *k_cache.shape[:2]))
-    if _use_triton(impl, k_cache.device):
+    chosen = choose_impl(impl, k_cache.device)
+    if chosen == "triton":
         from .paged_decode import paged_decode_triton
         return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, float(scale),
                                    split_kv=split_kv, partition_size=partition_size)
-    return reference.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    twin = batched if chosen == "torch" else reference
+    return twin.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, *,
@@ -155,9 +166,11 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
                 q_lens <= max_query_len).all()
         conditions.update(checks.table_conditions(block_tables, seq_lens, *k_cache.shape[:2]))
         checks.raise_failed(conditions)
-    if _use_triton(impl, k_cache.device):
+    chosen = choose_impl(impl, k_cache.device)
+    if chosen == "triton":
         from .paged_prefill import paged_prefill_triton
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                     float(scale), max_query_len=max_query_len)
-    return reference.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
-                                             block_tables, scale)
+    twin = batched if chosen == "torch" else reference
+    return twin.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
+                                        block_tables, scale)
