@@ -110,8 +110,7 @@ def speedup_no_target_cost(alpha, k, c):
     return t / max(k * c, 1e-12)
 
 
-(test_planted_bug_is_caught_with_a_specific_message,
- test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, [
+BUGS = [
     ("residual_distribution", residual_not_renormalised, "sums to 1", "without renormalising"),
     ("residual_distribution", residual_backwards, "equals max", "where the TARGET wants more"),
     ("rejection_sample", bonus_forgotten, "bonus", "bonus token is missing"),
@@ -123,7 +122,9 @@ def speedup_no_target_cost(alpha, k, c):
     ("ngram_propose", ngram_shortest_first, "longest", "longest n that matches wins"),
     ("expected_speedup", speedup_alpha_k, "free draft", "a^(k+1)"),
     ("expected_speedup", speedup_no_target_cost, "k c + 1", "verification pass counts too"),
-])
+]
+(test_planted_bug_is_caught_with_a_specific_message,
+ test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)
 
 
 def test_a_sampler_that_raises_is_reported():

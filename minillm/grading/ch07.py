@@ -140,12 +140,13 @@ def _case(seed: int, V: int = 4, k: int = 2, zeros: bool = True):
 
 def _first_token_test(fn, p, q, n: int, seed: int, one_hot_draft=None) -> tuple:
     """Frequencies of the first emitted token against p[0] (drafts drawn from q, or one-hot)."""
-    g = torch.Generator().manual_seed(seed)
-    V, k = p.shape[1], p.shape[0] - 1
+    g = torch.Generator().manual_seed(seed)            # the learner's randomness
+    gd = torch.Generator().manual_seed(seed + 1000)    # the drafts': kept apart, so the batch
+    V, k = p.shape[1], p.shape[0] - 1                  # grader's replay asks the same questions
     counts = {}
     for _ in range(n):
         if one_hot_draft is None:
-            drafts = [int(torch.multinomial(q[i].float(), 1, generator=g)) for i in range(k)]
+            drafts = [int(torch.multinomial(q[i].float(), 1, generator=gd)) for i in range(k)]
             out = _call_rs(fn, p, drafts, q, g)
         else:
             drafts = list(one_hot_draft)
@@ -218,11 +219,12 @@ def _rs_one_hot(fn):
 def _rs_second_position(fn):
     """Given the first draft is accepted, the second emitted token follows p[1]."""
     p, q = _case(5, V=3, k=2, zeros=False)
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(5)               # the learner's randomness
+    gd = torch.Generator().manual_seed(1005)           # the drafts' (see _first_token_test)
     counts, n = {}, 0
     d0 = int(p[0].argmax())
     for _ in range(1500):
-        d1 = int(torch.multinomial(q[1].float(), 1, generator=g))
+        d1 = int(torch.multinomial(q[1].float(), 1, generator=gd))
         out = _call_rs(fn, p, [d0, d1], q, g)
         if len(out) >= 2:
             counts[(out[1],)] = counts.get((out[1],), 0) + 1
