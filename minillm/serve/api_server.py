@@ -23,7 +23,9 @@ import asyncio
 import contextlib
 import errno
 import json
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -298,6 +300,9 @@ def run_server(engine, model_name: str, sock: socket.socket, max_waiting: int = 
                drain_timeout: float = 30.0, log_level: str = "info") -> None:
     """Serve until SIGTERM / SIGINT, then drain (see the module docstring)."""
     app = build_app(engine, model_name, max_waiting=max_waiting)
+    # uvicorn re-raises the signal once it has shut down; answer it with a normal exit (status
+    # 0: the drain finished) instead of dying by the signal's default action.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     make_server(app, drain_timeout, log_level).run(sockets=[sock])
 
 
