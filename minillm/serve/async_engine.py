@@ -27,6 +27,7 @@ concatenated deltas equal the non-streamed text exactly.
 from __future__ import annotations
 
 import asyncio
+import collections
 import queue
 import threading
 import traceback
@@ -79,6 +80,8 @@ class AsyncEngine:
         self.num_step_failures = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self.recent: collections.OrderedDict = collections.OrderedDict()  # id -> RequestOutput
+        self.max_recent = 1024                   # finished outputs kept for inspection
 
     # --- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -180,6 +183,9 @@ class AsyncEngine:
             if len(ids) > stream.sent_tokens:
                 self._send_delta(stream, eng.decode(ids), len(ids))
         for out in finished:
+            self.recent[out.request_id] = out
+            while len(self.recent) > self.max_recent:
+                self.recent.popitem(last=False)
             stream = self._streams.pop(out.request_id, None)
             if self.observer is not None:
                 self.observer.on_finished(out)

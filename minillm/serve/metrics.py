@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-               1.0, 2.5, 5.0)
+               1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
 
 
@@ -107,5 +107,44 @@ class ServerMetrics:
     def reject(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()
 
+    def text(self) -> str:
+        """What GET /metrics returns."""
+        from prometheus_client import generate_latest
+        return generate_latest(self.registry).decode()
 
-__all__ = ["ServerMetrics"]
+
+def parse_metrics(text: str) -> dict:
+    """Prometheus text -> {(sample name, frozenset of labels without model_name): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = frozenset((k, v) for k, v in s.labels.items() if k != "model_name")
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def histogram_quantile(q: float, samples: dict, name: str) -> float:
+    """PromQL's histogram_quantile over the cumulative `name_bucket` samples of parse_metrics:
+    find the bucket holding rank q x count and interpolate linearly inside it. This is what a
+    dashboard's "p99 TTFT" panel shows: an estimate, only as fine as the buckets."""
+    if not 0 <= q <= 1:
+        raise ValueError(f"q must be in [0, 1], got {q}")
+    buckets = sorted((float(dict(lbl)["le"]), v) for (n, lbl), v in samples.items()
+                     if n == name + "_bucket")
+    if not buckets or buckets[-1][1] == 0:
+        return float("nan")
+    rank = q * buckets[-1][1]
+    lo_bound, lo_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if bound == float("inf"):
+                return lo_bound                 # beyond the last finite bucket: its bound
+            if count == lo_count:
+                return bound
+            return lo_bound + (bound - lo_bound) * (rank - lo_count) / (count - lo_count)
+        lo_bound, lo_count = bound, count
+    return lo_bound
+
+
+__all__ = ["ServerMetrics", "parse_metrics", "histogram_quantile"]
