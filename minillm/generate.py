@@ -26,6 +26,8 @@ def prompt_token_ids(prompt: Prompt, tok, vocab_size: int) -> list[int]:
         ids = tok.encode(prompt)
     elif isinstance(prompt, torch.Tensor):
         ids = prompt.flatten().tolist()
+    elif hasattr(prompt, "__array__") and hasattr(prompt, "ndim"):   # a numpy array of ids
+        ids = torch.as_tensor(prompt).flatten().tolist()
     elif isinstance(prompt, (list, tuple)):
         ids = list(prompt)
     else:

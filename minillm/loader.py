@@ -35,8 +35,19 @@ def default_device() -> torch.device:
 
 
 def default_dtype(device) -> torch.dtype:
-    """Device policy: bf16 on a GPU, fp32 on the CPU."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    """Device policy: bf16 on a GPU that supports it (Ampere and later: A100, H100, L4, RTX 30xx+),
+    fp16 on an older GPU without bf16 (T4, V100: the free notebook GPUs), fp32 on the CPU."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if _bf16_supported(device) else torch.float16
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    """Native bf16 on this GPU. `torch.cuda.is_bf16_supported()` asks the current device, so
+    ask it with this one current; emulated bf16 (slow, on pre-Ampere parts) does not count."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported(including_emulation=False)
 
 
 def cache_dir() -> Path:

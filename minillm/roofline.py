@@ -54,6 +54,28 @@ def best_time(fn, device="cpu", repeats: int = 5) -> float:
     return best
 
 
+def interleaved_times(fns: dict, device="cpu", repeats: int = 7) -> dict:
+    """{name: [seconds, ...]} for each fn of `fns`: one warm-up call each, then `repeats` rounds
+    that call every fn once, in turn.
+
+    On a shared machine the load comes and goes; timing A seven times and then B seven times lets a
+    busy minute fall on one of them only. Round-robin rounds spread it over all of them, so their
+    medians can be compared (the course's rule: compare timings as ratios taken side by side)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    for fn in fns.values():
+        fn()                                                 # warm-up
+    _sync(device)
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def measure_bandwidth(device="cpu", nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
     """Memory bandwidth in bytes/s, from copying one large buffer into another.
 

@@ -1,18 +1,49 @@
 """Turning logits into the next token (chapter 00).
 
 Order of operations, as in vLLM: divide by temperature, keep the top-k logits, keep the smallest
-set of tokens whose probability reaches top-p, then draw. Temperature 0 means greedy (argmax).
+set of tokens whose probability reaches top-p, then draw. Temperature 0 means greedy (argmax), and
+so does any temperature below GREEDY_EPSILON (1e-5).
 """
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+# Temperatures below this sample greedily: dividing logits by 1e-39 overflows to inf, and the
+# distribution is a one-hot on the argmax long before that anyway.
+GREEDY_EPSILON = 1e-5
+
+
+def _number(name: str, value, hint: str) -> float:
+    """A real, finite number (not a bool, not a string), else ValueError naming the fix."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}; {hint}")
+    return float(value)
+
+
+def _integer(name: str, value, hint: str) -> int:
+    """An integer (ints, numpy ints, integral floats like 4.0), else ValueError naming the fix."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"{name} must be an integer, got {value!r}; {hint}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        pass
+    if isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer():
+        return int(value)
+    raise ValueError(f"{name} must be an integer, got {value!r}; {hint}")
+
 
 @dataclass
 class SamplingParams:
+    """How to pick each next token. Checked when built (and again by the engine when a request
+    is added): a wrong type or value raises ValueError naming the fix. `stop` and
+    `stop_token_ids` accept None (no stops); `stop` accepts one string."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1                 # -1: no top-k
@@ -24,22 +55,73 @@ class SamplingParams:
     n: int = 1                      # parallel samples per prompt
 
     def __post_init__(self):
-        if not (self.temperature >= 0):
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field and normalise in place (stop=None -> [], stop="x" -> ["x"])."""
+        t = _number("temperature", self.temperature, "use 0 for greedy or e.g. 0.8")
+        if t < 0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
+        p = _number("top_p", self.top_p, "use 1.0 to disable it")
+        if not 0.0 < p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}; use 1.0 to disable it")
-        if self.top_k == 0 or self.top_k < -1 or int(self.top_k) != self.top_k:
+        k = _integer("top_k", self.top_k, "use -1 to disable it or a positive integer")
+        if k == 0 or k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a positive integer, got {self.top_k}")
-        if int(self.max_tokens) != self.max_tokens or self.max_tokens <= 0:
+        m = _integer("max_tokens", self.max_tokens,
+                     "give a positive integer such as 64 (there is no unlimited setting)")
+        if m <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens}")
-        if int(self.n) != self.n or self.n < 1:
+        n = _integer("n", self.n, "give the number of samples per prompt, e.g. 1")
+        if n < 1:
             raise ValueError(f"n must be a positive integer, got {self.n}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        if self.seed is not None:
+            seed = _integer("seed", self.seed, "give an integer such as 0, or None for a "
+                                               "fresh random seed")
+            if not 0 <= seed < 2**63 - n:
+                raise ValueError(f"seed must be in [0, 2**63 - n), got {self.seed}")
+            self.seed = seed
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        self.top_k, self.max_tokens, self.n = k, m, n
+        self.stop = self._stop_strings(self.stop)
+        self.stop_token_ids = self._stop_ids(self.stop_token_ids)
+
+    @staticmethod
+    def _stop_strings(stop) -> list:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s
+                                                       for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, "
+                             f"got {stop!r}")
+        return list(stop)
+
+    @staticmethod
+    def _stop_ids(ids) -> list:
+        if ids is None:
+            return []
+        hint = "give a list of token ids, e.g. [2]"
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}; {hint}")
+        out = []
+        for t in ids:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                out.append(operator.index(t))
+            except TypeError:
+                raise ValueError(f"stop_token_ids must hold integers, got {t!r}; {hint}") from None
+            if out[-1] < 0:
+                raise ValueError(f"stop_token_ids must be >= 0, got {t}")
+        return out
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperature 0, or below GREEDY_EPSILON: argmax."""
+        return self.temperature < GREEDY_EPSILON
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -194,3 +194,58 @@ def test_a_notebook_without_regions_or_with_a_broken_stub_is_rejected():
     nb = new_notebook(cells=[new_code_cell(f"if True:\n{BEGIN}\n    x = 1\n{END}")])
     with pytest.raises(ValueError, match="not valid Python"):
         make_exercise_notebook(nb, "broken")
+
+
+# ------------------------------------------------------------------ Run All goes past unsolved cells
+
+def test_cells_that_use_an_unsolved_function_are_tagged_and_check_cells_are_not():
+    # a grader handed the function by name reports it unwritten and does not raise; a check
+    # handed a lambda around it (cell 10) is tagged too: harmless, the tag only allows an error
+    nb = new_notebook(cells=[
+        new_code_cell("from minillm.grading import ch00\nimport torch"),              # 0
+        new_code_cell(f"def f(x):\n    {BEGIN}\n    return x\n    {END}\n\n\n"
+                      "def launch(x):\n    return f(x)"),                             # 1 stub
+        new_code_cell("result = ch00.check_top_p(f)"),                                # 2 check
+        new_code_cell("result = ch00.check_top_p(launch)"),                           # 3 check
+        new_code_cell("y = launch(3)\nz = 1"),                                        # 4 raises
+        new_code_cell("print(z + 1)"),                                                # 5 via 4
+        new_code_cell("print(torch.ones(2))\n%time 1"),                               # 6 unrelated
+        new_code_cell("def g():\n    return f(2)\n\n\ng()"),                          # 7 inside def
+        new_code_cell("plain = 2", metadata={"tags": ["keep"]}),                      # 8
+        new_code_cell("print(result, plain)", metadata={"tags": ["keep"]}),           # 9
+        new_code_cell("w = ch00.check_top_p(lambda v: f(v))"),                        # 10 wrapped
+    ])
+    out = make_exercise_notebook(nb, "demo")
+    tagged = [i for i, c in enumerate(out.cells) if "raises-exception" in c.metadata.get("tags", [])]
+    assert tagged == [4, 5, 7, 10]
+    assert out.cells[8].metadata == {"tags": ["keep"]} == out.cells[9].metadata
+    assert "tags" not in nb.cells[4].metadata, "the input notebook must not be modified"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_tagged_cell_uses_an_exercise_and_no_check_cell_is_tagged(name):
+    nb = nbformat.read(str(EXERCISES / name), as_version=4)
+    stub_at = min(i for i, c in enumerate(nb.cells) if "raise NotImplementedError" in c.source)
+    tagged = [(i, c) for i, c in enumerate(nb.cells)
+              if "raises-exception" in c.metadata.get("tags", [])]
+    assert tagged, "illustration cells after an exercise use the learner's function"
+    for i, cell in tagged:
+        assert i > stub_at and ".check_" not in cell.source, cell.source
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_run_all_on_an_unsolved_problem_set_reaches_every_check(name):
+    """What a learner gets from Run All on the untouched exercise notebook: nbclient stops at a
+    cell that raises unless it carries the raises-exception tag (JupyterLab's Run All does the
+    same), so every exercise's check must still run and print its grade line, with 0."""
+    from nbclient import NotebookClient
+    nb = nbformat.read(str(EXERCISES / name), as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3",
+                   resources={"metadata": {"path": str(ROOT)}}).execute()   # raises if stuck
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                      for o in c.outputs if o.get("output_type") == "stream")
+    assert parse_grade_lines(printed) == {e.id: (0, e.max) for e in chapter_exercises(name[:2])}
+    raised = {i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              and any(o.output_type == "error" for o in c.outputs)}
+    tagged = {i for i, c in enumerate(nb.cells) if "raises-exception" in c.metadata.get("tags", [])}
+    assert raised == tagged, "a tagged cell that does not raise is tagged for nothing"

@@ -1,10 +1,11 @@
 """Chapter 05 graders are themselves tested: the solution passes, the unfilled exercise fails,
-and planted bugs (a plan that overshoots the budget, starves decodes by serving prompts first,
-does not chunk, lets a short prompt overtake; metadata without the leading 0 in cu_seqlens_q,
-off-by-one positions, seq_lens without the context, ...) are caught with a message that names
-the mistake. The references are checked against minillm's own engine."""
+and planted bugs (metadata without the leading 0 in cu_seqlens_q, off-by-one positions, seq_lens
+without the context; a prefill kernel with the top-left causal mask of is_causal=True, blocks read
+in pool order instead of through the table, the stale tail of the last block read, GQA heads
+tiled, a hard-coded scale, ...) are caught with a message that names the mistake. The references
+are checked against minillm's own model runner and against plain per-sequence attention."""
 import functools
-import random
+import math
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,8 @@ SOLUTIONS, EXERCISES = ROOT / "solutions" / NOTEBOOK, ROOT / "exercises" / NOTEB
 LIMIT = 60          # generous: a loaded 2-core CI machine must never time out a correct solution
 
 GRADED = {
-    "plan_step": ch05.PLAN_STEP,
     "step_metadata": ch05.STEP_METADATA,
+    "paged_prefill_attention": ch05.PREFILL_ATTENTION,
 }
 
 
@@ -39,28 +40,17 @@ GRADED = {
 
 
 def test_chapter_lists_its_exercises_for_batch_grading():
-    assert ch05.EXERCISES == (ch05.PLAN_STEP, ch05.STEP_METADATA)
-    assert [e.id for e in ch05.EXERCISES] == ["ch05.plan_step", "ch05.step_metadata"]
+    assert ch05.EXERCISES == (ch05.STEP_METADATA, ch05.PREFILL_ATTENTION)
+    assert [e.id for e in ch05.EXERCISES] == ["ch05.step_metadata", "ch05.prefill_attention"]
 
 
 def test_a_learner_function_that_loops_forever_is_stopped():
-    def spins(decodes, prompts, budget, max_num_seqs):
+    def spins(*args):
         while True:
             pass
-    result = grade(ch05.PLAN_STEP, spins, time_limit=2)
+    result = grade(ch05.PREFILL_ATTENTION, spins, time_limit=2)
     assert result.score == 0
     assert "time limit" in result.messages[0]
-
-
-# ------------------------------------------------------------------ the references themselves
-
-def test_reference_plan_matches_the_notebook_examples():
-    assert ch05.reference_plan(["a", "b"], [("p", 5), ("q", 7), ("r", 40)], 32, 8) == \
-        {"a": 1, "b": 1, "p": 5, "q": 7, "r": 18}
-    assert ch05.reference_plan(["a", "b"], [("long", 100), ("short", 3)], 20, 8) == \
-        {"a": 1, "b": 1, "long": 18}
-    # decodes fill max_num_seqs: the prompt waits although tokens are left
-    assert ch05.reference_plan(["a", "b"], [("p", 2)], 16, 2) == {"a": 1, "b": 1}
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,134 +85,6 @@ def test_reference_metadata_is_what_the_model_runner_builds():
         assert ch05.reference_metadata(spans) == _runner_metadata(spans), spans
     assert ch05.reference_metadata([(7, 1), (0, 4), (12, 1)]) == {
         "cu_seqlens_q": [0, 1, 5, 6], "positions": [7, 0, 1, 2, 3, 12], "seq_lens": [8, 4, 13]}
-
-
-def test_random_plan_cases_cover_chunking_and_the_sequence_limit():
-    # the random check is not a formality: its cases chunk prompts and hit max_num_seqs
-    chunked = limited = 0
-    for decodes, prompts, budget, max_num_seqs in ch05._random_plan_cases(5, 300):
-        plan = ch05.reference_plan(decodes, prompts, budget, max_num_seqs)
-        chunked += any(0 < plan.get(rid, 0) < r for rid, r in prompts)
-        limited += len(plan) == max_num_seqs and any(rid not in plan for rid, _ in prompts)
-    assert chunked >= 30 and limited >= 30
-
-
-# ------------------------------------------------------------------ planted bugs: plan_step
-
-def _validate(decodes, prompts, budget, max_num_seqs):
-    if budget < max_num_seqs or len(decodes) > max_num_seqs:
-        raise ValueError("bad configuration")
-    if any(r < 1 for _, r in prompts):
-        raise ValueError("empty prompt")
-
-
-def plan_prefill_first(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan, left = {}, budget
-    for rid, r in prompts:                        # prompts before decodes: starves them
-        if left == 0 or len(plan) == max_num_seqs:
-            break
-        plan[rid] = min(r, left)
-        left -= plan[rid]
-    for rid in decodes:
-        if left == 0 or len(plan) == max_num_seqs:
-            break
-        plan[rid] = 1
-        left -= 1
-    return plan
-
-
-def plan_overshoots(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan = {rid: 1 for rid in decodes}
-    left = budget - len(decodes)
-    for rid, r in prompts:
-        if left <= 0 or len(plan) == max_num_seqs:
-            break
-        plan[rid] = r                             # the whole prompt, whatever the budget
-        left -= r
-    return plan
-
-
-def plan_forgets_decodes_in_budget(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan = {rid: 1 for rid in decodes}
-    left = budget                                 # decodes not subtracted
-    for rid, r in prompts:
-        if left == 0 or len(plan) == max_num_seqs:
-            break
-        plan[rid] = min(r, left)
-        left -= plan[rid]
-    return plan
-
-
-def plan_without_chunking(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan = {rid: 1 for rid in decodes}
-    left = budget - len(decodes)
-    for rid, r in prompts:
-        if r > left or len(plan) == max_num_seqs:
-            break                                 # a prompt that does not fit whole waits
-        plan[rid] = r
-        left -= r
-    return plan
-
-
-def plan_one_prompt_per_step(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan = {rid: 1 for rid in decodes}
-    left = budget - len(decodes)
-    if prompts and left and len(plan) < max_num_seqs:
-        rid, r = prompts[0]
-        plan[rid] = min(r, left)
-    return plan
-
-
-def plan_shortest_first(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan = {rid: 1 for rid in decodes}
-    left = budget - len(decodes)
-    for rid, r in sorted(prompts, key=lambda p: p[1]):    # shortest job first: overtakes
-        if left == 0 or len(plan) == max_num_seqs:
-            break
-        plan[rid] = min(r, left)
-        left -= plan[rid]
-    return plan
-
-
-def plan_ignores_max_num_seqs(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan = {rid: 1 for rid in decodes}
-    left = budget - len(decodes)
-    for rid, r in prompts:
-        if left == 0:
-            break
-        plan[rid] = min(r, left)
-        left -= plan[rid]
-    return plan
-
-
-def plan_keeps_zeros(decodes, prompts, budget, max_num_seqs):
-    _validate(decodes, prompts, budget, max_num_seqs)
-    plan = {rid: 1 for rid in decodes}
-    left = budget - len(decodes)
-    for rid, r in prompts:
-        if len(plan) == max_num_seqs:
-            break
-        plan[rid] = min(r, left)                  # 0 once the budget is gone
-        left -= plan[rid]
-    return plan
-
-
-def plan_trusts_the_caller(decodes, prompts, budget, max_num_seqs):
-    plan = {rid: 1 for rid in decodes}
-    left = budget - len(decodes)
-    for rid, r in prompts:
-        if left <= 0 or len(plan) == max_num_seqs:
-            break
-        plan[rid] = min(r, left)
-        left -= plan[rid]
-    return plan
 
 
 # ------------------------------------------------------------------ planted bugs: step_metadata
@@ -289,20 +151,102 @@ def meta_as_tensors_but_float(spans):
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in out.items()}
 
 
+# ------------------------------------------------------------------ planted bugs: prefill attention
+
+def _prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, *,
+             mask="causal", table="paged", tail="cut", heads="grouped", scale_from="argument",
+             context="read", dtype_out="q"):
+    """A configurable paged prefill: the default is right; each keyword plants one mistake."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    bs = k_cache.shape[1]
+    KVH = k_cache.shape[2]
+    H, D = q.shape[1], q.shape[2]
+    for b in range(len(seq_lens)):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        seq_len, q_len = int(seq_lens[b]), end - start
+        length = -(-seq_len // bs) * bs if tail == "whole_blocks" else seq_len
+        if table == "pool_order":
+            k = k_cache.flatten(0, 1)[:length]
+            v = v_cache.flatten(0, 1)[:length]
+        else:
+            blocks = block_tables[b, :-(-length // bs)].long()
+            k = k_cache[blocks].flatten(0, 1)[:length]
+            v = v_cache[blocks].flatten(0, 1)[:length]
+        first = seq_len - q_len if context == "dropped" else 0
+        k, v = k[first:], v[first:]
+        idx = torch.arange(H) % KVH if heads == "tiled" else torch.arange(H) // (H // KVH)
+        k, v = k[:, idx].float(), v[:, idx].float()                   # [Tk, H, D]
+        s = 1 / math.sqrt(D) if scale_from == "head_dim" else scale
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * s
+        q_pos = torch.arange(length - q_len, length)[:, None]     # padded: the slots, not seq_len
+        if mask == "top_left":
+            q_pos = torch.arange(q_len)[:, None]
+        k_pos = torch.arange(first, first + k.shape[0])[None, :]
+        if mask == "hides_self":
+            scores = scores.masked_fill(k_pos >= q_pos, float("-inf"))
+        elif mask != "none":
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out if dtype_out == "float32" else out.to(q.dtype)
+
+
+def prefill_is_causal_true(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    """The trap: scaled_dot_product_attention(is_causal=True) on a chunk with context."""
+    out = torch.empty_like(q)
+    bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    for b in range(len(seq_lens)):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        seq_len = int(seq_lens[b])
+        blocks = block_tables[b, :-(-seq_len // bs)].long()
+        k = k_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+        v = v_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+            scale=scale)
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def prefill_no_mask(*a):
+    return _prefill(*a, mask="none")
+
+
+def prefill_hides_self(*a):
+    return _prefill(*a, mask="hides_self")
+
+
+def prefill_in_pool_order(*a):
+    return _prefill(*a, table="pool_order")
+
+
+def prefill_reads_whole_last_block(*a):
+    """Gathers whole blocks and takes the last q_len keys as the queries' own positions."""
+    return _prefill(*a, tail="whole_blocks")
+
+
+def prefill_tiles_heads(*a):
+    return _prefill(*a, heads="tiled")
+
+
+def prefill_hard_codes_scale(*a):
+    return _prefill(*a, scale_from="head_dim")
+
+
+def prefill_drops_context(*a):
+    return _prefill(*a, context="dropped")
+
+
+def prefill_returns_float32(*a):
+    return _prefill(*a, dtype_out="float32")
+
+
+def prefill_scales_in_place(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+    q.mul_(scale)                                    # saves a multiply, clobbers the caller's q
+    return _prefill(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, 1.0)
+
+
 # exercise, bug, a check it must fail, words that check's message must contain
 BUGS = [
-    ("plan_step", plan_prefill_first, "decodes are served before prompts", "starves the decodes"),
-    ("plan_step", plan_overshoots, "never plans more tokens than the budget",
-     "over the budget of 32"),
-    ("plan_step", plan_forgets_decodes_in_budget, "never plans more tokens than the budget",
-     "decodes come out of the same budget"),
-    ("plan_step", plan_without_chunking, "is chunked", "chunk it"),
-    ("plan_step", plan_one_prompt_per_step, "several prompts share a step",
-     "any number of prompts can share a step"),
-    ("plan_step", plan_shortest_first, "first come first served", "never overtaken"),
-    ("plan_step", plan_ignores_max_num_seqs, "at most max_num_seqs", "max_num_seqs is 4"),
-    ("plan_step", plan_keeps_zeros, "left out of the plan", "get 0 tokens"),
-    ("plan_step", plan_trusts_the_caller, "bad input raises ValueError", "instead of raising"),
     ("step_metadata", meta_no_leading_zero, "starts at 0", "leading 0 is missing"),
     ("step_metadata", meta_no_leading_zero, "an empty step", "cu_seqlens_q is [], expected [0]"),
     ("step_metadata", meta_cu_sums_seq_lens, "running sum", "you summed seq_lens"),
@@ -312,6 +256,20 @@ BUGS = [
     ("step_metadata", meta_seq_lens_context_only, "seq_lens count", "only the cached tokens"),
     ("step_metadata", meta_trusts_the_caller, "bad span raises ValueError", "instead of raising"),
     ("step_metadata", meta_as_tensors_but_float, "starts at 0", "dtype torch.float32"),
+    ("paged_prefill_attention", prefill_is_causal_true, "a later chunk", "aligned to the top left"),
+    ("paged_prefill_attention", prefill_is_causal_true, "a decode", "instead of seq_len - q_len + i"),
+    ("paged_prefill_attention", prefill_no_mask, "a whole prompt", "no causal mask"),
+    ("paged_prefill_attention", prefill_hides_self, "a whole prompt", "sees at least its own key"),
+    ("paged_prefill_attention", prefill_hides_self, "a later chunk", "cannot see its own key"),
+    ("paged_prefill_attention", prefill_in_pool_order, "through the block table",
+     "instead of through the block table"),
+    ("paged_prefill_attention", prefill_reads_whole_last_block, "partly filled last block",
+     "cut the gathered keys at seq_len"),
+    ("paged_prefill_attention", prefill_tiles_heads, "GQA", "h % KVH"),
+    ("paged_prefill_attention", prefill_hard_codes_scale, "scale argument", "1/sqrt(head_dim)"),
+    ("paged_prefill_attention", prefill_drops_context, "a later chunk", "this step's own keys"),
+    ("paged_prefill_attention", prefill_returns_float32, "bfloat16 in", "return q's dtype"),
+    ("paged_prefill_attention", prefill_scales_in_place, "inputs untouched", "modified its inputs"),
 ]
 
 
@@ -320,28 +278,81 @@ BUGS = [
 
 
 @pytest.mark.parametrize("name, bug", [
-    ("plan_step", plan_prefill_first), ("plan_step", plan_overshoots),
-    ("plan_step", plan_without_chunking), ("plan_step", plan_shortest_first),
-    ("plan_step", plan_ignores_max_num_seqs),
     ("step_metadata", meta_no_leading_zero), ("step_metadata", meta_positions_off_by_one),
-    ("step_metadata", meta_seq_lens_new_only)])
+    ("step_metadata", meta_seq_lens_new_only),
+    ("paged_prefill_attention", prefill_is_causal_true),
+    ("paged_prefill_attention", prefill_in_pool_order),
+    ("paged_prefill_attention", prefill_reads_whole_last_block),
+    ("paged_prefill_attention", prefill_tiles_heads),
+    ("paged_prefill_attention", prefill_hard_codes_scale)])
 def test_a_bug_is_also_caught_by_the_random_check(name, bug):
     result = grade(GRADED[name], bug, time_limit=LIMIT)
     assert any("random" in f for f in result.failed), str(result)
 
 
-def test_the_grader_does_not_depend_on_dict_order_or_int_type():
-    sol = function_from_notebook(SOLUTIONS, "plan_step")
-
-    def reordered(decodes, prompts, budget, max_num_seqs):
-        plan = sol(decodes, prompts, budget, max_num_seqs)
-        items = list(plan.items())
-        random.Random(0).shuffle(items)
-        return {rid: torch.tensor(n).item() for rid, n in items}
-    assert grade(ch05.PLAN_STEP, reordered, time_limit=LIMIT).full_marks
-
+def test_metadata_grader_accepts_int_tensors():
     meta = function_from_notebook(SOLUTIONS, "step_metadata")
 
     def as_tensors(spans):
         return {k: torch.tensor(v, dtype=torch.int32) for k, v in meta(spans).items()}
     assert grade(ch05.STEP_METADATA, as_tensors, time_limit=LIMIT).full_marks
+
+
+def test_prefill_grader_accepts_a_bfloat16_computation():
+    """Computing in the input dtype (no float32 upcast) is a legitimate kernel choice."""
+    def native(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+        out = torch.empty_like(q)
+        bs, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+        for b in range(len(seq_lens)):
+            start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+            seq_len, q_len = int(seq_lens[b]), end - start
+            blocks = block_tables[b, :-(-seq_len // bs)].long()
+            k = k_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+            v = v_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
+            visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                attn_mask=visible, scale=scale)
+            out[start:end] = o.transpose(0, 1)
+        return out
+    assert grade(ch05.PREFILL_ATTENTION, native, time_limit=LIMIT).full_marks
+
+
+# ------------------------------------------------------------------ the prefill reference itself
+
+@pytest.mark.parametrize("spec", ch05._random_steps(17, 30)[:10], ids=lambda s: s["label"])
+def test_prefill_reference_is_causal_attention_per_sequence(spec):
+    """The grader's answer key (minillm's kernel twin) against scaled_dot_product_attention on
+    each sequence's own keys, gathered from the K/V the case generated (not from the pool)."""
+    step = ch05._Step(**spec)
+    row = 0
+    for (c, n), k, v in zip(step.spans, step.keys, step.values):
+        group = step.H // step.KVH
+        qb = step.q[row:row + n].transpose(0, 1)                              # [H, n, D]
+        kb = k.repeat_interleave(group, dim=1).transpose(0, 1)                # [H, c + n, D]
+        vb = v.repeat_interleave(group, dim=1).transpose(0, 1)
+        visible = torch.arange(c + n)[None, :] <= torch.arange(c, c + n)[:, None]
+        want = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible,
+                                                                scale=step.scale)
+        assert torch.allclose(step.expected[row:row + n], want.transpose(0, 1), atol=1e-5)
+        row += n
+    assert row == step.q.shape[0]
+
+
+def test_prefill_cases_put_stale_values_where_a_mistake_would_read_them():
+    step = ch05._Step("partial", [(5, 2)], scatter=False)
+    # 7 tokens in blocks of 4: slot 3 of block 1 is stale, and far from the stored keys
+    assert step.block_tables.tolist() == [[0, 1, 0]]
+    assert torch.equal(step.k_cache[1, 2], step.keys[0][6])          # the last stored key
+    assert step.k_cache[1, 3].mean() > 1 > step.keys[0].mean()       # stale: shifted by +2
+
+
+def test_every_prefill_diagnosis_is_reachable():
+    """Each named mistake differs from the right answer on some check case (else its sentence
+    could never be shown, or worse, be shown for a right answer)."""
+    step = ch05._Step("mixed", [(5, 1), (0, 6), (9, 3)], H=4, KVH=2, block_size=4, scale=0.3,
+                      seed=3)
+    for variant, sentence in ch05._PREFILL_DIAGNOSES:
+        assert not torch.allclose(ch05._attend_variant(step, **variant), step.expected,
+                                  atol=1e-3), sentence
+    assert torch.allclose(ch05._attend_variant(step), step.expected, atol=1e-5)

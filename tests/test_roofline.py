@@ -162,3 +162,13 @@ def test_plot_roofline_draws_roof_ridge_and_points():
     markers = [ln for ln in ax.get_lines() if ln.get_marker() == "o"]
     assert [(m.get_xdata()[0], m.get_ydata()[0]) for m in markers] == [(1.0, 1e11), (100.0, 5e11)]
     plt.close(fig)
+
+
+def test_interleaved_times_calls_in_rounds():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    times = roofline.interleaved_times(fns, repeats=3)
+    assert calls == list("abc") * 4                 # one warm-up round, then three timed rounds
+    assert list(times) == list("abc") and all(len(t) == 3 and min(t) >= 0 for t in times.values())
+    with pytest.raises(ValueError, match="repeats"):
+        roofline.interleaved_times(fns, repeats=0)

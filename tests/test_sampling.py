@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -85,3 +86,53 @@ def test_sampling_matches_distribution():
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature="0.5"), "temperature must be a finite number"),
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=None), "temperature must be a finite number"),
+    (dict(top_p=float("nan")), "top_p must be a finite number"),
+    (dict(top_k=2.5), "top_k must be an integer"),
+    (dict(top_k="5"), "top_k must be an integer"),
+    (dict(max_tokens=None), "max_tokens must be an integer.*there is no unlimited"),
+    (dict(max_tokens=float("inf")), "max_tokens must be an integer"),
+    (dict(max_tokens=float("nan")), "max_tokens must be an integer"),
+    (dict(max_tokens=True), "max_tokens must be an integer"),
+    (dict(n=1.5), "n must be an integer"),
+    (dict(seed="abc"), "seed must be an integer"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(seed=-1), "seed must be in"),
+    (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+    (dict(stop=5), "stop must be a non-empty string or a list"),
+    (dict(stop=[""]), "stop must be a non-empty string or a list"),
+    (dict(stop=["ok", None]), "stop must be a non-empty string or a list"),
+    (dict(stop_token_ids=2), "stop_token_ids must be a list of integers"),
+    (dict(stop_token_ids="2"), "stop_token_ids must be a list of integers"),
+    (dict(stop_token_ids=[1, "2"]), "stop_token_ids must hold integers"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids must hold integers"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be >= 0"),
+])
+def test_sampling_params_types_are_checked_up_front(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalise_what_they_accept():
+    p = SamplingParams(stop=None, stop_token_ids=None, max_tokens=np.int64(8), top_k=4.0,
+                       seed=np.int32(3))
+    assert p.stop == [] and p.stop_token_ids == [] and p.max_tokens == 8 and p.top_k == 4
+    assert type(p.max_tokens) is int and p.seed == 3
+    assert SamplingParams(stop="END").stop == ["END"]
+    assert SamplingParams(stop_token_ids=(np.int64(2), 3)).stop_token_ids == [2, 3]
+    p.stop = None                     # changed after construction: validate() checks again
+    p.validate()
+    assert p.stop == []
+
+
+@pytest.mark.parametrize("t", [1e-39, 1e-6, 0.0])
+def test_tiny_temperature_samples_greedily(t):
+    logits = _logits(3)
+    assert SamplingParams(temperature=t).greedy
+    assert torch.equal(sample(logits, SamplingParams(temperature=t)), logits.argmax(-1))
+    assert not SamplingParams(temperature=1e-4).greedy

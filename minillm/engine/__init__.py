@@ -6,6 +6,7 @@
     llm_engine.py    add_request / step / has_unfinished / abort_request
     llm.py           LLM.generate(prompts, sampling_params): the offline batch API
     outputs.py       RequestOutput / CompletionOutput
+    trace.py         run_trace / describe / replay: record or replay a schedule (lecture instrumentation)
 """
 from .llm import LLM
 from .llm_engine import LLMEngine, StepStats

@@ -9,12 +9,15 @@ Outputs come back in prompt order, one RequestOutput per prompt. With SamplingPa
 samples are in `outs[i].outputs` (a list of n CompletionOutputs); `outs[i].text` etc. are the
 first sample's. A prompt the engine refuses (empty, longer than the context, can never fit in
 the KV pool, ...) gets finish_reason "error" and the reason in `outs[i].error`; the other
-prompts are unaffected. Invalid arguments to `generate` itself (a list of SamplingParams of the
-wrong length) raise ValueError.
+prompts are unaffected. The same holds for a request that fails while it runs (its forward,
+sampling, stop check or detokenisation raised): finish_reason "error", the reason in `.error`.
+Invalid arguments to `generate` itself (a list of SamplingParams of the wrong length) raise
+ValueError. An interrupted `generate` (Ctrl-C) aborts its own requests before re-raising.
 """
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Optional, Sequence, Union
 
 import torch
@@ -23,6 +26,34 @@ from ..loader import load_model
 from ..sampling import SamplingParams
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
+
+
+def _is_token_id(x) -> bool:
+    if isinstance(x, (bool, str, bytes)):
+        return False
+    try:
+        operator.index(x)
+        return True
+    except TypeError:
+        return False
+
+
+def as_prompt_list(prompts) -> list:
+    """What `LLM.generate` was given -> a list of prompts (each a string, ids or a tensor)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, torch.Tensor) or (hasattr(prompts, "__array__")
+                                             and hasattr(prompts, "ndim")):
+        if prompts.ndim <= 1:
+            return [prompts]                     # one prompt of token ids, as minillm.generate
+        if prompts.ndim == 2:
+            return list(prompts)                 # one prompt per row
+        raise ValueError(f"a tensor of prompts must be 1-D (one prompt) or 2-D (one per row), "
+                         f"got shape {tuple(prompts.shape)}")
+    prompts = list(prompts)
+    if prompts and _is_token_id(prompts[0]):
+        return [prompts]                         # a list of ids is ONE prompt
+    return prompts
 
 
 class LLM:
@@ -61,12 +92,12 @@ class LLM:
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                        None] = None,
                  use_tqdm: bool = True) -> list:
-        """prompts: a string, a list of strings, or a list of token-id lists. sampling_params:
-        one for all prompts or a list with one per prompt. Returns [RequestOutput] in order."""
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        """prompts: a string, a list of strings, a list of token ids (one prompt), a list of
+        token-id lists, or a tensor / numpy array of ids (1-D: one prompt; 2-D: one per row).
+        sampling_params: one for all prompts or a list with one per prompt. Returns
+        [RequestOutput] in order. If generate is interrupted (Ctrl-C, any exception), it aborts
+        its own requests, so the engine holds no blocks for them, and re-raises."""
+        prompts = as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -76,25 +107,32 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                  "pass one SamplingParams or exactly one per prompt")
-        ids, results = [], {}
-        for prompt, p in zip(prompts, params):
-            rid = str(next(self._ids))
-            ids.append(rid)
-            try:
-                self.engine.add_request(rid, prompt, p)
-            except ValueError as e:                      # this request only
-                results[rid] = RequestOutput.failed(rid, prompt, str(e))
-        from tqdm.auto import tqdm
-        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
-        bar.update(len(results))
-        pending = set(ids) - set(results)
-        while pending:
-            for out in self.engine.step():
-                if out.request_id in pending:
-                    results[out.request_id] = out
-                    pending.discard(out.request_id)
-                    bar.update(1)
-        bar.close()
+        ids, results, bar = [], {}, None
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(next(self._ids))
+                ids.append(rid)
+                try:
+                    self.engine.add_request(rid, prompt, p)
+                except Exception as e:                   # this request only, whatever it was
+                    msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                    results[rid] = RequestOutput.failed(rid, prompt, msg)
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=not use_tqdm)
+            bar.update(len(results))
+            pending = set(ids) - set(results)
+            while pending:
+                for out in self.engine.step():
+                    if out.request_id in pending:
+                        results[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            self.engine.release([r for r in ids if r not in results])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[r] for r in ids]
 
     def abort(self, request_id: str) -> bool:

@@ -16,6 +16,13 @@ One `step()` is one iteration of iteration-level scheduling:
 
 Bad input raises ValueError from `add_request` (the request is not added; nothing else is
 affected). `LLM.generate` turns that into an output with finish_reason "error".
+
+Faults during a step belong to ONE request. A request's `num_computed_tokens` advances only
+after its work succeeded. If its forward raises (found by re-running the batch one request at a
+time), or its sampling, stop check or detokenisation does, it finishes with reason "error" and
+the message in `.error`, its blocks are freed, and the other requests' tokens are unchanged. An
+exception that escapes `step()` (Ctrl-C, a bug) first requeues every running request for
+recompute, so the engine stays consistent: abort what you no longer want, or step on.
 """
 from __future__ import annotations
 
@@ -75,6 +82,13 @@ class LLMEngine:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks}")
         if num_cpu_blocks is None:
             num_cpu_blocks = num_kv_blocks if preemption == "swap" else 0
+        if (isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int)
+                or num_cpu_blocks < 0):
+            raise ValueError(f"num_cpu_blocks must be an integer >= 0 (CPU blocks for "
+                             f"preemption='swap'), got {num_cpu_blocks!r}")
+        if preemption == "swap" and num_cpu_blocks == 0:
+            raise ValueError("preemption='swap' needs a CPU swap pool: pass num_cpu_blocks >= 1 "
+                             "(None sizes it like the GPU pool) or use preemption='recompute'")
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.block_manager = BlockManager(num_kv_blocks, block_size)
@@ -89,7 +103,7 @@ class LLMEngine:
         self.groups: dict = {}                   # request_id -> [Request], sample 0 first
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._aborted: list = []                 # request ids finished by abort, not yet returned
+        self._unreturned: list = []              # finished request ids (abort...) not yet returned
         self.step_stats = collections.deque(maxlen=max_step_stats)
 
     # --- requests ----------------------------------------------------------------------------
@@ -117,8 +131,6 @@ class LLMEngine:
                              "raise max_num_seqs or lower n")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids instead")
-        if any(not isinstance(t, str) or not t for t in params.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {params.stop!r}")
 
     def add_request(self, request_id: str, prompt: Prompt,
                     params: Optional[SamplingParams] = None,
@@ -127,6 +139,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()                        # again: fields may have changed since built
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use; pick a unique id")
         ids = self.encode(prompt)
@@ -149,51 +162,51 @@ class LLMEngine:
             if not r.is_finished:
                 self.scheduler.finish(r, "abort")
                 r.metrics.finished_time = now
-        self._aborted.append(request_id)
+        self._unreturned.append(request_id)
         return True
 
+    def release(self, request_ids) -> None:
+        """Abort these requests and drop their outputs (finished or not): for a caller that
+        gives up on them, like an interrupted `LLM.generate`. Unknown ids are ignored."""
+        drop = set(request_ids)
+        for rid in drop:
+            if rid in self.groups:
+                self.abort_request(rid)
+                del self.groups[rid]
+        self._unreturned = [r for r in self._unreturned if r not in drop]
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._unreturned)
 
     has_unfinished_requests = has_unfinished
 
     # --- one step ----------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list:
-        """Run one iteration. Returns the RequestOutputs of requests finished in it."""
+        """Run one iteration. Returns the RequestOutputs of requests finished in it.
+
+        Failures belong to requests: if the batched forward raises, each request is run alone
+        to find which fail; a request whose forward, sampling or stop check raises finishes
+        with reason "error" (blocks freed) and the others carry on. If an exception escapes
+        anyway (KeyboardInterrupt, a scheduler bug), every running request is requeued to be
+        recomputed, so the engine stays consistent and holds no stranded blocks."""
         start = self.clock()
-        finished = self._aborted
-        self._aborted = []
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError(f"the scheduler could not schedule anything although requests "
-                                   f"are pending ({self.scheduler.waiting[:3]}...); this is a bug")
-            return [self._output(rid) for rid in finished]
-        n_decode = sum(n for r, n in sched.scheduled if not r.is_prefill)
-        prefill_seqs = sum(r.is_prefill for r, _ in sched.scheduled)
-        logits, sampling_reqs = self.runner.execute(sched)      # [S, V], S requests
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n
-
-        rows = []                               # (request, row of logits) per sequence to sample
-        for i, req in enumerate(sampling_reqs):
-            rows.append((req, i))
-            if not req.forked:
-                rows.extend((child, i) for child in self._fork(req))
-        tokens = sample_tokens(logits, rows)
-        now = self.clock()
-        for (req, _), token in zip(rows, tokens):
-            req.output_token_ids.append(token)
-            req.metrics.record_token(now)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                req.metrics.finished_time = now
-                group = self.groups[req.request_id]
-                if all(r.is_finished for r in group) and req.request_id not in finished:
-                    finished.append(req.request_id)
-
+        finished, self._unreturned = self._unreturned, []
+        try:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError(f"the scheduler could not schedule anything although "
+                                       f"requests are pending ({self.scheduler.waiting[:3]}...); "
+                                       "this is a bug")
+                return [self._output(rid) for rid in finished]
+            n_decode = sum(n for r, n in sched.scheduled if not r.is_prefill)
+            prefill_seqs = sum(r.is_prefill for r, _ in sched.scheduled)
+            self._run_step(sched, finished)
+        except BaseException:
+            self.scheduler.requeue_all()
+            self._unreturned = finished + self._unreturned   # returned by the next step
+            raise
         n_prefill = sched.num_batched_tokens - n_decode
         s = self.scheduler
         self.step_stats.append(StepStats(
@@ -201,6 +214,78 @@ class LLMEngine:
             len(sched.preempted), len(s.waiting), len(s.running), len(s.swapped),
             self.block_manager.num_free_blocks, self.clock() - start))
         return [self._output(rid) for rid in finished]
+
+    def _run_step(self, sched, finished: list) -> None:
+        """Copies, forward, sampling and stop checks of one scheduled step. A request's
+        num_computed_tokens advances only once its step's work succeeded: right after the
+        forward for a prefill chunk that samples nothing, together with its new token else."""
+        self.runner.copy_blocks(sched)
+        logits, sampling_reqs = self._forward(sched.scheduled, finished)   # [S, V]
+        n_new = {req.seq_id: n for req, n in sched.scheduled}
+        sampling = set(id(r) for r in sampling_reqs)
+        for req, n in sched.scheduled:
+            if id(req) not in sampling and not req.is_finished:
+                req.num_computed_tokens += n         # a prefill chunk: its K/V are cached
+
+        rows = []                               # (request, row of logits) per sequence to sample
+        for i, req in enumerate(sampling_reqs):
+            rows.append((req, i))
+            if not req.forked:
+                for child in self._fork(req):
+                    rows.append((child, i))
+                    n_new[child.seq_id] = n_new[req.seq_id]
+        tokens = sample_tokens(logits, rows) if rows else []
+        now = self.clock()
+        for (req, _), token in zip(rows, tokens):
+            if isinstance(token, BaseException):
+                self._fail(req, f"sampling failed: {type(token).__name__}: {token}", finished)
+                continue
+            req.num_computed_tokens += n_new[req.seq_id]
+            req.output_token_ids.append(token)
+            req.metrics.record_token(now)
+            try:
+                reason = self._stop_reason(req, token)
+            except Exception as e:              # noqa: BLE001 - this request's error only
+                self._fail(req, f"stop check failed: {type(e).__name__}: {e}", finished)
+                continue
+            if reason is not None:
+                self._finish(req, reason, now, finished)
+
+    def _forward(self, scheduled: list, finished: list):
+        """The step's forward. If the batch raises, run each request alone: the ones that fail
+        again finish with reason "error", the others' logits are used as if nothing happened
+        (their K/V slots are simply written a second time). Returns (logits [S, V], requests)."""
+        try:
+            return self.runner.run(scheduled)
+        except Exception as e:                  # noqa: BLE001 - attributed below
+            if len(scheduled) == 1:             # nothing to bisect: it is this request's
+                self._fail(scheduled[0][0], f"forward failed: {type(e).__name__}: {e}", finished)
+                return self._no_logits(), []
+        rows, reqs = [], []
+        for req, n in scheduled:
+            try:
+                logits, sampling_reqs = self.runner.run([(req, n)])
+            except Exception as e:              # noqa: BLE001 - this request's error only
+                self._fail(req, f"forward failed: {type(e).__name__}: {e}", finished)
+                continue
+            rows.append(logits)
+            reqs.extend(sampling_reqs)
+        return (torch.cat(rows), reqs) if rows else (self._no_logits(), [])
+
+    def _no_logits(self) -> torch.Tensor:
+        return torch.empty(0, self.config.vocab_size, device=self.model.device)   # [0, V]
+
+    def _finish(self, req: Request, reason: str, now: float, finished: list) -> None:
+        self.scheduler.finish(req, reason)
+        req.metrics.finished_time = now
+        group = self.groups[req.request_id]
+        if all(r.is_finished for r in group) and req.request_id not in finished:
+            finished.append(req.request_id)
+
+    def _fail(self, req: Request, message: str, finished: list) -> None:
+        """Finish ONE sequence with reason "error" (its blocks freed); the rest carry on."""
+        req.error = message
+        self._finish(req, "error", self.clock(), finished)
 
     def _fork(self, parent: Request) -> list:
         """n > 1: the siblings share the prompt's blocks (refcounts), sampled independently."""
@@ -243,9 +328,15 @@ class LLMEngine:
 
     def _output(self, request_id: str) -> RequestOutput:
         group = sorted(self.groups.pop(request_id), key=lambda r: r.sample_index)
-        outs = []
+        outs, errors = [], []
         for r in group:
-            text = self.decode(r.output_token_ids)
+            try:
+                text = self.decode(r.output_token_ids)
+            except Exception as e:              # noqa: BLE001 - this request's error only
+                text, r.finish_reason = "", "error"
+                r.error = f"detokenisation failed: {type(e).__name__}: {e}"
+            if r.error:
+                errors.append(r.error if len(group) == 1 else f"sample {r.sample_index}: {r.error}")
             stop = None
             if r.text_cut is not None:
                 text, stop = text[:r.text_cut], r.stop_text
@@ -254,7 +345,8 @@ class LLMEngine:
             outs.append(CompletionOutput(r.sample_index, text, list(r.output_token_ids),
                                          r.finish_reason, r.metrics, stop))
         first = group[0]
-        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True)
+        return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True,
+                             "; ".join(errors) or None)
 
     # --- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> list:

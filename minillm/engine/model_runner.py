@@ -98,25 +98,49 @@ class ModelRunner:
                             cache=self.cache, logits_rows=step["sample_rows"])   # [1, S, V]
         return logits[0]
 
-    def execute(self, sched):
-        """Do the block copies, run the forward. Returns (logits [S, V], the S requests)."""
+    def copy_blocks(self, sched) -> None:
+        """The scheduler's block copies, in order: swap out, swap in, copy-on-write."""
         self.cache.swap_out_blocks(sched.blocks_to_swap_out)    # device -> CPU pool
         self.cache.swap_in_blocks(sched.blocks_to_swap_in)      # CPU pool -> device
         self.cache.copy_blocks(sched.blocks_to_copy)            # copy-on-write
-        step, sampling_reqs = self.prepare(sched.scheduled)
+
+    def run(self, scheduled):
+        """Prepare and run the forward for [(request, num_new_tokens)]. Returns (logits [S, V],
+        the S requests whose step reaches their last token). Writes only these requests' new
+        K/V slots, so running it again for some of them (after a failure) is harmless."""
+        step, sampling_reqs = self.prepare(scheduled)
         return self.forward(step), sampling_reqs
+
+    def execute(self, sched):
+        """Do the block copies, run the forward. Returns (logits [S, V], the S requests)."""
+        self.copy_blocks(sched)
+        return self.run(sched.scheduled)
 
 
 def sample_tokens(logits: torch.Tensor, rows) -> list:
     """One token per (request, row of logits): greedy rows in one batched argmax, sampled rows
-    each with the request's own generator (so a seeded request reproduces whatever its batch)."""
-    tokens = [0] * len(rows)
+    each with the request's own generator (so a seeded request reproduces whatever its batch).
+
+    Entry i is an int, or the exception that sampling row i raised: one request's failure
+    (NaN logits, a bad generator...) is that request's alone."""
+    tokens: list = [0] * len(rows)
     greedy = [i for i, (req, _) in enumerate(rows) if req.params.greedy]
     if greedy:
-        idx = torch.tensor([rows[i][1] for i in greedy], device=logits.device)
-        for i, t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
-            tokens[i] = t
+        try:
+            idx = torch.tensor([rows[i][1] for i in greedy], device=logits.device)
+            for i, t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
+                tokens[i] = t
+        except Exception:                       # find the culprit row by row
+            for i in greedy:
+                tokens[i] = _sample_one(logits, *rows[i])
     for i, (req, row) in enumerate(rows):
         if not req.params.greedy:
-            tokens[i] = int(sample(logits[row:row + 1], req.params, req.generator))
+            tokens[i] = _sample_one(logits, req, row)
     return tokens
+
+
+def _sample_one(logits: torch.Tensor, req, row: int):
+    try:
+        return int(sample(logits[row:row + 1], req.params, req.generator))
+    except Exception as e:                      # noqa: BLE001 - reported as the request's error
+        return e

@@ -13,7 +13,8 @@ decode. That single counter covers every case the engine meets:
 States: WAITING (never ran, or preempted by recompute and requeued: then it is PREEMPTED),
 RUNNING, SWAPPED (preempted by swap: its KV blocks sit in the CPU pool) and FINISHED.
 Finish reasons follow vLLM: "stop" (a stop token or stop string), "length" (max_tokens),
-"abort" (cancelled by the caller).
+"abort" (cancelled by the caller), and "error": this request's step failed (its forward,
+sampling, stop check or detokenisation raised); `error` says why, and nobody else is affected.
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.stop_text: Optional[str] = None       # which stop string ended it
         self.text_cut: Optional[int] = None        # len of the text before the stop string
+        self.error: Optional[str] = None           # why it finished with reason "error"
         self.arrival_order = arrival_order         # FCFS priority (lower = older)
         self.forked = sample_index > 0 or params.n == 1
         self.swapped_blocks: list = []             # CPU block ids while SWAPPED

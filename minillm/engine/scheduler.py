@@ -122,6 +122,20 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
 
+    def requeue_all(self) -> None:
+        """Send every running and swapped request back to the waiting queue to be recomputed
+        from scratch (blocks freed, num_computed_tokens 0, outputs kept). The engine calls this
+        when a step fails half-way: whatever the step had copied or written, recomputing is
+        correct, and no block stays held by a request that is not running."""
+        for req in self.running + self.swapped:
+            if self.bm.has(req.seq_id):
+                self.bm.free(req.seq_id)
+            self._free_cpu(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+        self.running, self.swapped = [], []
+
     def _free_cpu(self, req: Request) -> None:
         for b in req.swapped_blocks:
             self.cpu_pool.decref(b)

@@ -7,7 +7,10 @@ In a problem-set notebook:
 
 Tools: `python -m minillm.grading.make_exercises solutions exercises` generates the exercise
 notebooks; `python -m minillm.grading exercises/ --submissions DIR --out scores.csv` grades a
-folder of submissions. Conventions for adding a chapter: minillm/grading/README.md.
+folder of submissions: each runs in its own supervised kernel (supervisor.py), its check cells
+record the learner's answers as plain data (transcript.py), and the grades are computed from
+that record outside the kernel (batch.py). Conventions for adding a chapter, and what the batch
+grader does and does not defend against: minillm/grading/README.md.
 """
 from .core import (GRADE_LINE_PREFIX, Check, CheckOutcome, Exercise, GradeResult, grade,
                    parse_grade_lines, report)

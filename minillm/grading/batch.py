@@ -2,24 +2,27 @@
 
     python -m minillm.grading exercises/ --submissions DIR --out scores.csv
 
-Each `*.ipynb` under DIR is executed top to bottom in a fresh kernel (nbclient), errors and all,
-within a per-notebook time limit; the grade lines its check cells print
-(`[minillm-grade] ch00.top_p 5/6`) become its row. A submission belongs to the problem set whose
-file name it contains (`alice_00_foundations.ipynb` -> 00_foundations); its chapter's exercises
-(from minillm.grading.chNN.EXERCISES) count 0 when no grade line appears, e.g. because a cell
-failed or the notebook ran out of time. A broken submission gets a row with a status, never a
-crash.
+A submission belongs to the problem set whose name its file name contains
+(`alice_00_foundations.ipynb` -> 00_foundations). Each one is run from cleared outputs in a fresh
+kernel under a per-submission supervisor (supervisor.py: own session, every cell under a time
+limit, every process killed at the end). Its check cells record what the learner's code answered
+as plain data (transcript.py); this process then re-runs every check of the problem set itself
+against those answers. Printed grade lines, stale outputs and a patched grader in the notebook
+count for nothing; a check that never answered fails. Each CSV row is written as soon as its
+submission is graded. A broken or hostile submission gets a row with a status, never a crash.
 """
 from __future__ import annotations
 
-import asyncio
 import csv
 import importlib
+import json
 import os
 import re
+import secrets
+import signal
 import subprocess
+import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +30,12 @@ from typing import Optional
 
 import nbformat
 
-from .core import Exercise, parse_grade_lines
+from . import supervisor
+from .core import Exercise, GradeResult
+from .policy import reference_use
+from .timelimit import default_time_limit
+from .transcript import (MAX_RECORD_BYTES, RECORD_ENV, BadRecord, grade_recorded,
+                         read_records, read_regular_file)
 
 _CHAPTER = re.compile(r"^(\d{2})_")
 
@@ -56,6 +64,7 @@ class Row:
     scores: dict[str, int] = field(default_factory=dict)
     maxima: dict[str, int] = field(default_factory=dict)
     status: str = "ok"
+    results: dict[str, GradeResult] = field(default_factory=dict)   # the checks' messages
 
 
 def problem_sets(exercises_dir) -> list[ProblemSet]:
@@ -75,140 +84,235 @@ def match_problem_set(path: Path, sets: list[ProblemSet]) -> Optional[ProblemSet
     return max(hits, key=lambda s: len(s.stem)) if hits else None
 
 
-def _stream_text(nb) -> str:
-    parts = []
+DEFAULT_CELL_TIMEOUT = 120.0      # seconds one cell may run before it is interrupted
+STARTUP_TIMEOUT = 60.0            # seconds a kernel may take to start (not counted in --timeout)
+
+
+def _cleared(nb):
+    """The notebook with every output and execution count removed: nothing stale can count."""
     for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "stream" and out.get("name") == "stdout":
-                parts.append(out.get("text", ""))
-    return "".join(parts)
+        if cell.cell_type == "code":
+            cell.outputs = []
+            cell.execution_count = None
+    return nb
 
 
-async def _execute(nb, timeout: float, kernel: str, workdir: str, env: dict) -> str:
-    """Run every code cell; returns a status sentence ("ok" or what went wrong)."""
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-
-    client = NotebookClient(nb, timeout=max(1, int(timeout)), kernel_name=kernel,
-                            allow_errors=True, record_timing=False, shutdown_kernel="immediate",
-                            resources={"metadata": {"path": workdir}})
-    client.reset_execution_trackers()
-    failed = []
-    status = "ok"
+def _run(path_nb: Path, work: Path, timeout: float, cell_timeout: float, kernel: str,
+         check_time_limit: float, executed: Optional[Path]) -> tuple[str, Path]:
+    """Run the cleared notebook under a supervisor; (status sentence, transcript path)."""
+    records = work / "records.jsonl"
+    records.touch()
+    cwd = work / "cwd"
+    cwd.mkdir()
+    marker = secrets.token_hex(12)
+    config = work / "config.json"
+    config.write_text(json.dumps({
+        "notebook": str(path_nb), "cwd": str(cwd), "kernel": kernel, "timeout": timeout,
+        "cell_timeout": cell_timeout, "startup_timeout": STARTUP_TIMEOUT, "marker": marker,
+        "executed": str(executed) if executed else None}))
+    env = dict(os.environ)
+    env.update({RECORD_ENV: str(records), supervisor.MARKER_ENV: marker,
+                "MINILLM_GRADE_TIME_LIMIT": str(check_time_limit)})
+    env.pop("MINILLM_GRADE_ISOLATION", None)
+    proc = subprocess.Popen([sys.executable, supervisor.__file__, str(config)], cwd=str(work),
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    tracked: dict = {}
+    deadline = time.monotonic() + timeout + STARTUP_TIMEOUT + 90
     try:
-        # the kernel's own stderr (start-up warnings, C-level noise) would clutter the log
-        async with client.async_setup_kernel(env=env, stderr=subprocess.DEVNULL):
-            deadline = time.monotonic() + timeout           # kernel start-up does not count
-            for index, cell in enumerate(nb.cells):
-                if cell.cell_type != "code":
-                    continue
-                left = deadline - time.monotonic()
-                if left < 1:
-                    status = f"stopped: time limit of {timeout:g} s reached before cell {index}"
-                    break
-                client.timeout = int(left)
-                try:
-                    await client.async_execute_cell(cell, index)
-                except CellTimeoutError:
-                    status = f"stopped: time limit of {timeout:g} s reached in cell {index}"
-                    break
-                except DeadKernelError:
-                    status = f"stopped: the kernel died in cell {index}"
-                    break
-                errors = [o for o in cell.get("outputs", []) if o.get("output_type") == "error"]
-                if errors:
-                    failed.append(f"{index} ({errors[0].get('ename', 'error')})")
-    except Exception as exc:                     # kernel did not start, client failure, ...
-        status = f"stopped: {type(exc).__name__}: {exc}"
-    if failed:
-        status = ("" if status == "ok" else status + "; ") + "errors in cells " + ", ".join(failed)
-    return status
+        while proc.poll() is None and time.monotonic() < deadline:
+            supervisor.track(tracked, root=proc.pid, session=proc.pid, marker=marker)
+            try:
+                proc.wait(timeout=0.3)
+            except subprocess.TimeoutExpired:
+                pass
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    finally:
+        # whatever survived the supervisor (which the submission may have killed)
+        supervisor.kill_processes(session=proc.pid, marker=marker, tracked=tracked)
+        proc.wait()
+    out = _read_available(proc.stdout)
+    report = None
+    for line in out.decode(errors="replace").splitlines()[::-1]:
+        try:
+            report = json.loads(line)
+            break
+        except ValueError:
+            continue
+    if isinstance(report, dict) and isinstance(report.get("status"), str):
+        status = report["status"]
+        if report.get("left_behind"):
+            status += f"; {report['left_behind']} process(es) it left behind were killed"
+    else:
+        how = (f"killed by signal {-proc.returncode}" if (proc.returncode or 0) < 0
+               else f"ended with status {proc.returncode}")
+        status = f"stopped: the submission's supervisor was {how} (killed by the submission?)"
+    return status, records
 
 
-def _run_async(coro):
-    """asyncio.run, also from inside a running event loop (e.g. called from a notebook)."""
+def _read_available(stream, limit: int = 1 << 20) -> bytes:
+    """What the supervisor reported, without waiting on a writer that kept the pipe open."""
+    os.set_blocking(stream.fileno(), False)
+    data = b""
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    result = []
-    worker = threading.Thread(target=lambda: result.append(asyncio.run(coro)))
-    worker.start()
-    worker.join()
-    return result[0]
+        while len(data) < limit:
+            chunk = stream.read(1 << 16)
+            if not chunk:
+                break
+            data += chunk
+    except (BlockingIOError, OSError):
+        pass
+    stream.close()
+    return data
 
 
 def grade_submission(path: Path, sets: list[ProblemSet], timeout: float = 300,
                      kernel: str = "python3", check_time_limit: Optional[float] = None,
-                     executed_dir: Optional[Path] = None, name: Optional[str] = None) -> Row:
-    """Execute one submitted notebook and read its grade lines. Never raises for a bad file."""
+                     executed_dir: Optional[Path] = None, name: Optional[str] = None,
+                     cell_timeout: Optional[float] = None) -> Row:
+    """Run one submitted notebook and grade its recorded answers. Never raises for a bad file."""
+    path = Path(path)
     row = Row(submission=name or path.name)
     ps = match_problem_set(path, sets)
-    if ps is not None:
-        row.problem_set = ps.stem
-        row.maxima = {e.id: e.max for e in ps.exercises}
-        row.scores = {e.id: 0 for e in ps.exercises}
+    if ps is None:
+        row.status = "file name names no problem set of the exercises folder; not run"
+        return row
+    row.problem_set = ps.stem
+    row.maxima = {e.id: e.max for e in ps.exercises}
+    row.scores = {e.id: 0 for e in ps.exercises}
+    limit = default_time_limit() if check_time_limit is None else float(check_time_limit)
+    cell_limit = DEFAULT_CELL_TIMEOUT if cell_timeout is None else float(cell_timeout)
     try:
         nb = nbformat.read(str(path), as_version=4)
     except Exception as exc:
         row.status = f"not a readable notebook: {type(exc).__name__}: {str(exc)[:200]}"
         return row
-    env = dict(os.environ)
-    if check_time_limit is not None:
-        env["MINILLM_GRADE_TIME_LIMIT"] = str(check_time_limit)
-    with tempfile.TemporaryDirectory(prefix="minillm-grade-") as workdir:
-        row.status = _run_async(_execute(nb, timeout, kernel, workdir, env))
-    if executed_dir is not None:
-        executed_dir.mkdir(parents=True, exist_ok=True)
-        flat = (name or path.name).replace("/", "__").replace(os.sep, "__")
-        nbformat.write(nb, str(executed_dir / flat))
-    for exercise, (score, top) in parse_grade_lines(_stream_text(nb)).items():
-        row.scores[exercise] = score
-        row.maxima[exercise] = top
-    if ps is None:
-        row.status = (row.status + "; " if row.status != "ok" else "") + \
-            "file name names no problem set of the exercises folder"
+    with tempfile.TemporaryDirectory(prefix="minillm-grade-", ignore_cleanup_errors=True) as tmp:
+        work = Path(tmp)
+        cleared = work / "submission.ipynb"
+        nbformat.write(_cleared(nb), str(cleared))
+        executed = work / "executed.ipynb" if executed_dir is not None else None
+        row.status, records = _run(cleared, work, timeout, cell_limit, kernel, limit, executed)
+        try:
+            runs = read_records(records)
+        except (BadRecord, OSError) as exc:
+            runs = {}
+            row.status += f"; its recorded answers were ignored: {exc}"
+        for exercise in ps.exercises:             # only this problem set's ids; none printed
+            result = grade_recorded(exercise, runs.get(exercise.id))
+            row.results[exercise.id] = result
+            row.scores[exercise.id] = max(0, min(result.score, exercise.max))
+        flags = [reference_use(nb, e, runs.get(e.id)) for e in ps.exercises]
+        flags = [f for f in flags if f]
+        if flags:
+            row.status += "; policy: " + "; ".join(flags)
+        if executed is not None:
+            try:
+                data = read_regular_file(executed, MAX_RECORD_BYTES, "the executed notebook")
+            except (BadRecord, OSError):
+                data = None
+            if data is not None:
+                executed_dir.mkdir(parents=True, exist_ok=True)
+                flat = (name or path.name).replace("/", "__").replace(os.sep, "__")
+                (executed_dir / flat).write_bytes(data)
     return row
+
+
+def check_limits(timeout: float, check_time_limit: Optional[float],
+                 cell_timeout: Optional[float]) -> None:
+    """ValueError naming the option to fix when the time limits cannot work together."""
+    check = default_time_limit() if check_time_limit is None else float(check_time_limit)
+    cell = DEFAULT_CELL_TIMEOUT if cell_timeout is None else float(cell_timeout)
+    for name, value in (("--timeout", timeout), ("--check-time-limit", check),
+                        ("--cell-timeout", cell)):
+        if not value > 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+    if cell <= check:
+        raise ValueError(f"--cell-timeout ({cell:g} s) must be longer than --check-time-limit "
+                         f"({check:g} s): a check cell runs every check of one exercise within "
+                         "the check time limit")
+
+
+def write_feedback(row: Row, folder: Path) -> None:
+    """The grades computed here, one report per exercise with every failed check's message."""
+    folder.mkdir(parents=True, exist_ok=True)
+    flat = row.submission.replace("/", "__").replace(os.sep, "__")
+    text = [f"{row.submission} ({row.problem_set or 'no problem set'}): "
+            f"{sum(row.scores.values())}/{sum(row.maxima.values())}", f"status: {row.status}", ""]
+    text += [str(result) + "\n" for result in row.results.values()]
+    (folder / (Path(flat).stem + ".txt")).write_text("\n".join(text), encoding="utf-8")
 
 
 def grade_folder(exercises_dir, submissions_dir, out_csv=None, timeout: float = 300,
                  kernel: str = "python3", check_time_limit: Optional[float] = None,
-                 executed_dir=None, log=print) -> list[Row]:
-    """Grade every notebook under `submissions_dir`; write the CSV when `out_csv` is given."""
+                 executed_dir=None, log=print, cell_timeout: Optional[float] = None,
+                 feedback_dir=None) -> list[Row]:
+    """Grade every notebook under `submissions_dir`. With `out_csv`, the CSV is written row by
+    row, each row as soon as its submission is graded (flushed), so a run cut short keeps the
+    rows it finished. With `feedback_dir`, each submission also gets a text report of the
+    grades computed here (the messages of the failed checks included)."""
+    check_limits(timeout, check_time_limit, cell_timeout)
     sets = problem_sets(exercises_dir)
     root = Path(submissions_dir)
     if not root.is_dir():
         raise ValueError(f"submissions folder {root} does not exist")
     paths = sorted(p for p in root.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+    cols = columns([], sets)
     rows = []
-    for path in paths:
-        name = str(path.relative_to(root))
-        start = time.monotonic()
-        row = grade_submission(path, sets, timeout, kernel, check_time_limit,
-                               Path(executed_dir) if executed_dir else None, name)
-        rows.append(row)
-        if log:
-            total = sum(row.scores.values())
-            log(f"{name}: {total}/{sum(row.maxima.values())} ({row.status}, "
-                f"{time.monotonic() - start:.0f} s)")
-    if out_csv is not None:
-        write_csv(rows, sets, out_csv)
+    out = open(out_csv, "w", newline="", encoding="utf-8") if out_csv is not None else None
+    try:
+        writer = csv.writer(out) if out else None
+        if writer:
+            writer.writerow(header(cols))
+            out.flush()
+        for path in paths:
+            name = str(path.relative_to(root))
+            start = time.monotonic()
+            try:
+                row = grade_submission(path, sets, timeout, kernel, check_time_limit,
+                                       Path(executed_dir) if executed_dir else None, name,
+                                       cell_timeout)
+            except Exception as exc:              # a grader bug must not cost later rows
+                row = Row(submission=name, status=f"not graded: the grader failed: "
+                                                  f"{type(exc).__name__}: {str(exc)[:200]}")
+            rows.append(row)
+            if feedback_dir is not None:
+                write_feedback(row, Path(feedback_dir))
+            if writer:
+                writer.writerow(csv_row(row, cols))
+                out.flush()
+                os.fsync(out.fileno())
+            if log:
+                log(f"{name}: {sum(row.scores.values())}/{sum(row.maxima.values())} "
+                    f"({row.status}, {time.monotonic() - start:.0f} s)")
+    finally:
+        if out:
+            out.close()
     return rows
 
 
 def columns(rows: list[Row], sets: list[ProblemSet]) -> list[str]:
-    """Exercise ids: those of the problem sets in order, then any other id a submission printed."""
-    cols = [e.id for s in sets for e in s.exercises]
-    for row in rows:
-        cols += [x for x in row.scores if x not in cols]
-    return cols
+    """Exercise ids of every problem set, in order (ids a submission printed do not count)."""
+    return [e.id for s in sets for e in s.exercises]
+
+
+def header(cols: list[str]) -> list[str]:
+    return ["submission", "problem_set", *cols, "total", "max", "status"]
+
+
+def csv_row(r: Row, cols: list[str]) -> list:
+    return [r.submission, r.problem_set, *[r.scores.get(c, "") for c in cols],
+            sum(r.scores.values()), sum(r.maxima.values()), r.status]
 
 
 def write_csv(rows: list[Row], sets: list[ProblemSet], out_csv) -> None:
     cols = columns(rows, sets)
     with open(out_csv, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow(["submission", "problem_set", *cols, "total", "max", "status"])
+        w.writerow(header(cols))
         for r in rows:
-            w.writerow([r.submission, r.problem_set, *[r.scores.get(c, "") for c in cols],
-                        sum(r.scores.values()), sum(r.maxima.values()), r.status])
+            w.writerow(csv_row(r, cols))

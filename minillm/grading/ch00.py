@@ -3,9 +3,11 @@
     ch00.check_cached_attention(cached_attention)   # (a) write this step's K/V, attend causally
     ch00.check_top_p(top_p_filter)                  # (b) nucleus filter
     ch00.check_top_k(top_k_filter)                  # (c) top-k filter
+    ch00.check_roofline_step(roofline_step)         # (d) FLOPs, bytes and roofline time of a step
 
-The references are minillm's own `model.causal_attention` and `sampling.top_p_filter` /
-`sampling.top_k_filter`. Every case is small, seeded and on the CPU.
+The references are minillm's own `model.causal_attention`, `sampling.top_p_filter` /
+`sampling.top_k_filter` and the counts of `minillm.roofline` (`forward_flops`, `bytes_moved`,
+`ridge_point`, `attainable`). Every case is small, seeded and on the CPU.
 """
 from __future__ import annotations
 
@@ -14,9 +16,19 @@ from typing import Optional
 
 import torch
 
+from .. import roofline
+from ..configs import get as _get_config
+from ..kvmath import param_count
 from ..model import causal_attention
 from ..sampling import top_k_filter, top_p_filter
 from .core import Check, Exercise
+from .core import Problem as _Problem
+from .core import checked as _checked
+from .hints import one_fit
+
+
+def _close_tensors(a, b) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, atol=1e-4, rtol=1e-4)
 
 
 def _fmt(values, digits: int = 3) -> str:
@@ -133,11 +145,10 @@ def _attention_output_check(spec):
             b, i, h, _ = torch.nonzero(torch.isnan(out))[0].tolist()
             return False, (f"{where}: NaN at batch {b}, query {i} (position {case.start + i}), "
                            f"head {h}; a query whose keys are all masked gives NaN")
-        for variant, sentence in _DIAGNOSES:
-            alt = _attention_variant(case, **variant)
-            if not torch.allclose(alt, case.expected, atol=1e-4, rtol=1e-4) and \
-                    torch.allclose(out, alt, atol=1e-4, rtol=1e-4):
-                return False, f"{where}: {sentence}"
+        sentence = one_fit(out, [(_attention_variant(case, **v), s) for v, s in _DIAGNOSES],
+                           expected=case.expected, same=_close_tensors)
+        if sentence:
+            return False, f"{where}: {sentence}"
         err = (out - case.expected).abs()                               # [B, T, H, D]
         b, i, h, _ = torch.nonzero(err == err.max())[0].tolist()
         return False, (f"{where}, worst at batch {b}, query {i} (position {case.start + i}), "
@@ -415,4 +426,239 @@ def check_top_k(top_k_filter, time_limit: Optional[float] = None):
     return TOP_K.check(top_k_filter, time_limit)
 
 
-EXERCISES = (CACHED_ATTENTION, TOP_P, TOP_K)
+
+# =========================================================================== (d) roofline step
+
+_DTYPE_NAMES = {4: "float32", 2: "bfloat16", 1: "fp8"}
+_FIELDS = ("flops", "bytes", "intensity", "seconds", "bound")
+# machines: (name, bandwidth bytes/s, peak FLOP/s)
+_H100 = ("H100 SXM (datasheet, bf16)", 3.35e12, 989e12)
+_A100 = ("A100 SXM (datasheet, bf16)", 2.039e12, 312e12)
+_LAPTOP = ("a CPU core (measured in chapter 00)", 6.6e9, 100e9)
+
+
+class _Step:
+    """One call of roofline_step and what minillm.roofline makes of it."""
+
+    def __init__(self, model, batch, num_tokens, context, bytes_per_value, machine):
+        self.model, self.cfg = model, _get_config(model)
+        self.batch, self.num_tokens, self.context = batch, num_tokens, context
+        self.bytes_per_value = bytes_per_value
+        self.machine, self.bandwidth, self.peak = machine
+        flops = roofline.forward_flops(self.cfg, num_tokens, context, batch)
+        nbytes = roofline.bytes_moved(self.cfg, batch, num_tokens, context,
+                                      dtype=_DTYPE_NAMES[bytes_per_value])
+        intensity = flops / nbytes
+        self.expected = {
+            "flops": flops, "bytes": nbytes, "intensity": intensity,
+            "seconds": flops / roofline.attainable(intensity, self.bandwidth, self.peak),
+            "bound": ("memory" if intensity < roofline.ridge_point(self.bandwidth, self.peak)
+                      else "compute"),
+        }
+
+    def args(self):
+        return (self.cfg, self.batch, self.num_tokens, self.context, self.bytes_per_value,
+                self.bandwidth, self.peak)
+
+    def describe(self) -> str:
+        kind = "decode" if self.num_tokens == 1 else "prefill"
+        return (f"{self.model}, {kind} batch={self.batch} num_tokens={self.num_tokens} "
+                f"context={self.context}, {self.bytes_per_value} bytes per value, on {self.machine}")
+
+    # --- what the common mistakes produce, field by field
+    def _attention(self, per_key=4, heads=None, keys="causal"):
+        cfg, nt, ctx = self.cfg, self.num_tokens, self.context
+        seen = nt * (ctx + nt) if keys == "square" else nt * ctx + nt * (nt + 1) // 2
+        return (self.batch * cfg.num_layers * (heads or cfg.num_heads) * per_key * cfg.head_dim
+                * seen)
+
+    def flops_variants(self):
+        cfg, tokens = self.cfg, self.batch * self.num_tokens
+        matmul = roofline.matmul_params(cfg)
+        head = cfg.vocab_size * cfg.hidden_size
+        attn = self._attention()
+        return [
+            (2 * param_count(cfg) * tokens + attn, "you counted 2 FLOPs for every parameter; "
+             "only the matmul weights multiply (q/k/v/o, MLP, output head): norms are "
+             "element-wise and the input embedding is a lookup"),
+            (2 * (matmul - head) * tokens + attn, "the output head (vocab x hidden) is missing: "
+             "it multiplies every token too"),
+            (2 * matmul * tokens, "attention's FLOPs are missing: 4 x head_dim per query head, "
+             "layer and visible key"),
+            (2 * matmul * tokens + self._attention(per_key=2), "attention counts only half: q.k "
+             "costs 2 x head_dim per key and p.v another 2 x head_dim, so 4 x head_dim"),
+            (2 * matmul * tokens + self._attention(keys="square"), "attention is not causal "
+             "here: query p sees p + 1 keys, so a step of T new tokens after C cached ones sees "
+             "T x C + T (T + 1) / 2 keys in all, not T x (C + T)"),
+            (2 * matmul * tokens + self._attention(heads=cfg.num_kv_heads), "attention uses the "
+             "KV heads; every query head does its own products (GQA shares K/V, not the work), "
+             "so count num_heads"),
+            (2 * matmul * self.num_tokens + attn // self.batch, "the batch is missing: every "
+             "sequence of the batch does the same work"),
+            (2 * matmul + attn, "the matmul work is counted once per step; it is per token"),
+        ]
+
+    def bytes_variants(self):
+        cfg, bpv, b = self.cfg, self.bytes_per_value, self.batch
+        weights = roofline.weight_read_params(cfg) * bpv
+        kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * bpv
+        kv = b * (self.context + self.num_tokens) * kv_token
+        per_token = [] if self.num_tokens == 1 else [   # with 1 token per sequence: the same
+            (weights * b * self.num_tokens + kv, "the weights are counted once per token; a step "
+             "reads them once, whatever the number of tokens")]
+        return per_token + [
+            (weights * b + kv, "the weights are counted once per sequence; a step reads them "
+             "once, whatever the batch (that is why batching helps)"),
+            (param_count(cfg) * bpv + kv, "the whole input-embedding table is counted; an untied "
+             "embedding is a lookup that reads only its tokens' rows (count param_count minus "
+             "vocab x hidden when the embedding is not tied to the output head)"),
+            (weights + b * self.context * kv_token, "the K/V writes of the new tokens are "
+             "missing: each new token stores its keys and values (batch x num_tokens x KV bytes "
+             "per token)"),
+            (weights + (self.context + self.num_tokens) * kv_token, "the KV cache is counted "
+             "once; every sequence of the batch reads its own"),
+            (weights + kv * cfg.num_heads // cfg.num_kv_heads, "the KV cache is counted with "
+             "num_heads; it holds num_kv_heads heads (GQA)"),
+            (weights + kv // 2, "the KV cache counts only K or only V: 2 x layers x KV heads x "
+             "head_dim values per token"),
+            (roofline.weight_read_params(cfg) * 2 + kv // bpv * 2, "you used 2 bytes per value; "
+             "use bytes_per_value"),
+            (weights, "the KV cache is missing: each sequence reads its cached K/V and writes its "
+             "new tokens' K/V"),
+        ]
+
+    def seconds_variants(self):
+        f, m = self.expected["flops"], self.expected["bytes"]
+        return [
+            (f / self.peak + m / self.bandwidth, "you added compute time and memory time; the "
+             "roofline bound is the slower of the two (they overlap), max(F / peak, M / bw)"),
+            (min(f / self.peak, m / self.bandwidth), "you took the faster of the two times; the "
+             "step cannot beat the slower one: max(F / peak, M / bw)"),
+            (f / self.bandwidth, "you divided FLOPs by the bandwidth"),
+        ]
+
+
+def _close(a, b, rel=1e-9) -> bool:
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1e-300)
+
+
+def _call_roofline(fn, step: _Step) -> dict:
+    out = fn(*step.args())
+    if not isinstance(out, dict) or any(k not in out for k in _FIELDS):
+        keys = sorted(out) if isinstance(out, dict) else type(out).__name__
+        raise _Problem(f"{step.describe()}: you returned {keys}; return a dict with the keys "
+                       "'flops', 'bytes', 'intensity', 'seconds' and 'bound'")
+    for k in _FIELDS[:4]:
+        v = out[k]
+        if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
+            v = v.item()
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _Problem(f"{step.describe()}: {k} is {v!r}; expected a number")
+        out[k] = v
+    return out
+
+
+def _roofline_check(steps, fields=_FIELDS):
+    @_checked
+    def check(fn):
+        for step in steps:
+            got, want = _call_roofline(fn, step), step.expected
+            for k in fields:
+                if k == "bound":
+                    if got[k] == want[k]:
+                        continue
+                    ridge = roofline.ridge_point(step.bandwidth, step.peak)
+                    hint = (f"intensity {want['intensity']:.4g} FLOP/byte against a ridge of "
+                            f"{ridge:.4g}: a step left of the ridge waits on memory")
+                    if got[k] not in ("memory", "compute"):
+                        hint = "bound is 'memory' or 'compute'"
+                    raise _Problem(f"{step.describe()}: bound is {got[k]!r}, expected "
+                                   f"{want[k]!r}; {hint}")
+                if _close(got[k], want[k]):
+                    continue
+                variants = {"flops": step.flops_variants, "bytes": step.bytes_variants,
+                            "seconds": step.seconds_variants}.get(k, list)()
+                if k == "intensity":
+                    variants = [(want["bytes"] / want["flops"], "that is bytes / FLOPs; "
+                                 "intensity is FLOPs per byte")]
+                hint = one_fit(got[k], variants, expected=want[k], same=_close)
+                raise _Problem(f"{step.describe()}: {k} is {got[k]:,.6g}, expected "
+                               f"{want[k]:,.6g}" + (f"; {hint}" if hint else ""))
+    return check
+
+
+@_checked
+def _roofline_errors(fn):
+    base = _Step("smollm2-135m", 1, 1, 16, 2, _H100)
+    cfg, b, nt, ctx, bpv, bw, peak = base.args()
+    for args, why in (((cfg, 0, nt, ctx, bpv, bw, peak), "batch 0"),
+                      ((cfg, b, 0, ctx, bpv, bw, peak), "num_tokens 0: a step computes >= 1 token"),
+                      ((cfg, b, nt, -1, bpv, bw, peak), "a negative context"),
+                      ((cfg, b, nt, ctx, bpv, 0.0, peak), "bandwidth 0"),
+                      ((cfg, b, nt, ctx, bpv, bw, -1.0), "a negative peak FLOP/s")):
+        try:
+            out = fn(*args)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as exc:
+            raise _Problem(f"{why} raised {type(exc).__name__}: {exc}; raise ValueError with a "
+                           "message that names the bad argument")
+        raise _Problem(f"{why}: you returned {str(out)[:60]} instead of raising ValueError")
+
+
+def _random_roofline_steps(seed: int, n: int):
+    import random
+    rng = random.Random(seed)
+    models = ["smollm2-135m", "llama-2-7b", "llama-3-8b", "llama-3-70b", "llama-3.2-1b",
+              "mistral-7b", "qwen2.5-7b", "qwen2.5-0.5b"]
+    steps = []
+    for _ in range(n):
+        decode = rng.random() < 0.5
+        steps.append(_Step(rng.choice(models), rng.choice([1, 2, 8, 64, 256]) if decode else
+                           rng.choice([1, 2, 4]),
+                           1 if decode else rng.choice([2, 16, 100, 512, 3000]),
+                           rng.randint(0, 8000), rng.choice([1, 2, 4]),
+                           rng.choice([_H100, _A100, _LAPTOP])))
+    return steps
+
+
+ROOFLINE_STEP = Exercise("ch00.roofline_step", "roofline_step", (
+    Check("decode FLOPs: 2 per matmul weight per token, plus attention over the context",
+          _roofline_check([_Step("smollm2-135m", 1, 1, 256, 2, _H100),
+                           _Step("llama-3-8b", 1, 1, 1000, 2, _H100)], ("flops",))),
+    Check("prefill FLOPs: causal attention, query p sees p + 1 keys",
+          _roofline_check([_Step("smollm2-135m", 1, 512, 0, 2, _H100),
+                           _Step("smollm2-135m", 1, 50, 100, 2, _H100)], ("flops",))),
+    Check("a batch multiplies the FLOPs, not the weight reads",
+          _roofline_check([_Step("llama-3-8b", 16, 1, 512, 2, _H100)], ("flops", "bytes"))),
+    Check("bytes: weights once per step, each sequence's K/V read, the new K/V written",
+          _roofline_check([_Step("smollm2-135m", 1, 1, 256, 2, _H100),
+                           _Step("smollm2-135m", 4, 8, 64, 2, _H100)], ("bytes",))),
+    Check("an untied input embedding is a lookup, not a full read",
+          _roofline_check([_Step("llama-3-8b", 1, 1, 64, 2, _H100)], ("bytes",))),
+    Check("bytes_per_value scales weights and KV cache (fp32 4, bf16 2, fp8 1)",
+          _roofline_check([_Step("qwen2.5-0.5b", 2, 1, 300, 4, _LAPTOP),
+                           _Step("qwen2.5-0.5b", 2, 1, 300, 1, _A100)], ("bytes",))),
+    Check("intensity and seconds: FLOPs / bytes, and the slower of compute and memory time",
+          _roofline_check([_Step("smollm2-135m", 1, 1, 256, 2, _H100),
+                           _Step("smollm2-135m", 1, 2048, 0, 2, _H100),
+                           _Step("llama-3-8b", 1, 512, 0, 4, _LAPTOP)])),
+    Check("bound: 'memory' left of the ridge, 'compute' from the ridge on",
+          _roofline_check([_Step("smollm2-135m", 1, 291, 0, 2, _H100),
+                           _Step("smollm2-135m", 1, 292, 0, 2, _H100),
+                           _Step("llama-3-8b", 512, 1, 16, 2, _H100)])),
+    Check("bad input raises ValueError", _roofline_errors),
+    Check("agrees with minillm.roofline on 200 random steps of 8 models",
+          _roofline_check(_random_roofline_steps(3, 200))),
+))
+
+
+def check_roofline_step(roofline_step, time_limit: Optional[float] = None):
+    """Grade exercise (d): roofline_step(cfg, batch, num_tokens, context, bytes_per_value,
+    bandwidth, peak_flops) -> {"flops", "bytes", "intensity", "seconds", "bound"}."""
+    return ROOFLINE_STEP.check(roofline_step, time_limit)
+
+
+EXERCISES = (CACHED_ATTENTION, TOP_P, TOP_K, ROOFLINE_STEP)

@@ -15,6 +15,7 @@ from typing import Optional
 from .. import configs, kvmath
 from ..configs import ModelConfig
 from .core import Check, Exercise
+from .hints import one_fit
 
 
 def _number_problem(value) -> Optional[str]:
@@ -36,27 +37,34 @@ def _formula(cfg: ModelConfig, dtype) -> str:
 
 
 def _kv_diagnosis(got, expected: int, cfg: ModelConfig, dtype) -> str:
+    """The one known mistake that gives `got`, as "; sentence", or "" when none or several fit
+    (for DeepSeek-V3 in fp8, a factor 2 too many is either K and V counted separately or fp8
+    counted as 2 bytes: no hint then)."""
     b = kvmath.dtype_bytes(dtype)
+    candidates = []
     if cfg.attention == "mla":
-        if got == 2 * expected:
-            return ("; MLA caches one latent and one rotary key per layer, not separate K and V, "
-                    "so there is no factor 2")
-        if got == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b:
-            return ("; that is the MHA formula, but DeepSeek-V3 caches a compressed latent "
-                    "(kv_lora_rank) plus a shared rotary key (qk_rope_head_dim) per layer")
+        candidates += [
+            (2 * expected, "MLA caches one latent and one rotary key per layer, not separate K "
+                           "and V, so there is no factor 2"),
+            (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * b, "that is the MHA "
+             "formula, but DeepSeek-V3 caches a compressed latent (kv_lora_rank) plus a shared "
+             "rotary key (qk_rope_head_dim) per layer"),
+        ]
     else:
-        if cfg.num_heads != cfg.num_kv_heads and got * cfg.num_kv_heads == expected * cfg.num_heads:
-            return (f"; you counted the {cfg.num_heads} query heads, but only the "
-                    f"{cfg.num_kv_heads} KV heads are cached")
-        if 2 * got == expected:
-            return "; keys and values are both cached: a factor 2 is missing"
-    if b == 1 and got == 2 * expected:
-        return f"; {dtype} takes 1 byte per element, not 2"
-    if b == 4 and 2 * got == expected:
-        return f"; {dtype} takes 4 bytes per element, not 2"
-    if b == 2 and got == 2 * expected:
-        return f"; {dtype} takes 2 bytes per element, not 4"
-    return ""
+        if cfg.num_heads != cfg.num_kv_heads:
+            candidates.append((expected * cfg.num_heads / cfg.num_kv_heads, f"you counted the "
+                               f"{cfg.num_heads} query heads, but only the {cfg.num_kv_heads} KV "
+                               "heads are cached"))
+        candidates.append((expected / 2, "keys and values are both cached: a factor 2 is "
+                                         "missing"))
+    if b == 1:
+        candidates.append((2 * expected, f"{dtype} takes 1 byte per element, not 2"))
+    elif b == 4:
+        candidates.append((expected / 2, f"{dtype} takes 4 bytes per element, not 2"))
+    elif b == 2:
+        candidates.append((2 * expected, f"{dtype} takes 2 bytes per element, not 4"))
+    hint = one_fit(got, candidates, expected=expected)
+    return f"; {hint}" if hint else ""
 
 
 def _kv_cases(cases):
@@ -87,7 +95,7 @@ KV_BYTES = Exercise("ch01.kv_bytes_per_token", "kv_bytes_per_token", (
                                   "smollm2-135m", "llama-3.1-405b")])),
     Check("MQA: one KV head serves every query head", _kv_cases([(_MQA, "bfloat16")])),
     Check("MLA (DeepSeek-V3): layers x (kv_lora_rank + qk_rope_head_dim) x bytes, no factor 2",
-          _kv_cases([("deepseek-v3", "bfloat16")])),
+          _kv_cases([("deepseek-v3", "float32"), ("deepseek-v3", "bfloat16")])),
     Check("float32 counts 4 bytes per element, float16 2",
           _kv_cases([("llama-3-8b", "float32"), ("llama-3-8b", "float16"),
                      ("deepseek-v3", "float32")])),
@@ -140,8 +148,11 @@ def _plan_case(fn, gpu, cfg_name, weight_dtype, kv_dtype, util, context_len):
                                 "does not fit, so round down"),
         (math.ceil(pool / per_seq), "you rounded up; a partial sequence does not fit"),
     ]
-    hint = next((f"; {text}" for value, text in variants if value != expected and got == value),
-                "")
+    if round(pool / per_seq) == math.ceil(pool / per_seq):        # one mistake, two spellings
+        variants[-2:] = [(math.ceil(pool / per_seq), "you rounded to the nearest whole sequence "
+                          "(or up); a partial sequence does not fit, so round down")]
+    hint = one_fit(got, variants, expected=expected)
+    hint = f"; {hint}" if hint else ""
     return (f"{what}: you returned {got}, expected {expected} (usable {int(memory * util):,} "
             f"bytes - weights {weights:,} = {pool:,} bytes for KV; one sequence needs "
             f"{per_token:,} x {context_len} = {per_seq:,} bytes){hint}")

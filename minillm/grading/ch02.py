@@ -19,6 +19,7 @@ from typing import Optional
 
 from ..cache.contiguous import ContiguousArena
 from .core import Check, Exercise
+from .hints import one_fit
 
 # A layout lists an arena's pieces in address order:
 #   ("slab", length, written)           a live request's slab, `written` tokens used
@@ -97,16 +98,15 @@ def _start_hint(holes, size, got, expected) -> str:
     if got is None:
         return f"; the hole {fits[0]} fits"
     best = min(fits, key=lambda h: (h[1], h[0]))[0]
-    if got == best != expected:
-        return ("; that is the smallest hole that fits (best fit); first fit takes the "
-                "lowest address that fits")
     s, n = fits[0]
-    if got == s + n - size != expected:
-        return ("; you placed the slab at the end of the hole; carve it from the front, so "
-                "the slab starts where the hole starts")
-    if any(got == hs for hs, hn in holes if hn < size):
-        return "; that hole is too small for the slab"
-    return ""
+    hint = one_fit(got, [
+        (best, "that is the smallest hole that fits (best fit); first fit takes the lowest "
+               "address that fits"),
+        (s + n - size, "you placed the slab at the end of the hole; carve it from the front, so "
+                       "the slab starts where the hole starts"),
+    ] + [(hs, "that hole is too small for the slab") for hs, hn in holes if hn < size],
+        expected=expected)
+    return f"; {hint}" if hint else ""
 
 
 def _first_fit_cases(cases, compare_list=True):
@@ -414,32 +414,42 @@ def _call_fragmentation(fn, slabs, holes, size):
     return out, None
 
 
-def _internal_hint(slabs, got) -> str:
+def _internal_hint(slabs, got, want) -> str:
     reserved = sum(r for r, _ in slabs)
     written = sum(w for _, w in slabs)
-    if slabs and math.isclose(got, sum((r - w) / r for r, w in slabs) / len(slabs), abs_tol=1e-9):
-        return ("; that is the mean of each slab's own fraction, so a small slab counts as "
-                "much as a big one; divide the unwritten tokens of all slabs by all reserved "
-                "tokens")
-    if reserved and math.isclose(got, written / reserved, abs_tol=1e-9):
-        return "; that is the share that was written; the waste is the share that was not"
-    return ""
+    candidates = []
+    if slabs:
+        candidates.append((sum((r - w) / r for r, w in slabs) / len(slabs), "that is the mean of "
+                           "each slab's own fraction, so a small slab counts as much as a big "
+                           "one; divide the unwritten tokens of all slabs by all reserved tokens"))
+    if reserved:
+        candidates.append((written / reserved, "that is the share that was written; the waste is "
+                                               "the share that was not"))
+    hint = one_fit(got, candidates, expected=want, same=_isclose)
+    return f"; {hint}" if hint else ""
 
 
-def _external_hint(slabs, holes, got) -> str:
+def _external_hint(slabs, holes, got, want) -> str:
     free = sum(n for _, n in holes)
     largest = max((n for _, n in holes), default=0)
     capacity = free + sum(r for r, _ in slabs)
-    if free and math.isclose(got, largest / free, abs_tol=1e-9):
-        return ("; that is the share of free memory in the largest hole, the part that is still "
-                "usable; fragmentation is 1 minus it")
-    if capacity and math.isclose(got, 1 - largest / capacity, abs_tol=1e-9):
-        return ("; you divided by all memory (reserved + free); external fragmentation is "
-                "measured against the free memory only")
-    if free and len(holes) > 1 and math.isclose(got, 1 - min(n for _, n in holes) / free,
-                                                abs_tol=1e-9):
-        return "; use the largest hole, the biggest request that can still be placed"
-    return ""
+    candidates = []
+    if free:
+        candidates.append((largest / free, "that is the share of free memory in the largest "
+                           "hole, the part that is still usable; fragmentation is 1 minus it"))
+    if capacity:
+        candidates.append((1 - largest / capacity, "you divided by all memory (reserved + "
+                           "free); external fragmentation is measured against the free memory "
+                           "only"))
+    if free and len(holes) > 1:
+        candidates.append((1 - min(n for _, n in holes) / free, "use the largest hole, the "
+                           "biggest request that can still be placed"))
+    hint = one_fit(got, candidates, expected=want, same=_isclose)
+    return f"; {hint}" if hint else ""
+
+
+def _isclose(a, b) -> bool:
+    return math.isclose(a, b, abs_tol=1e-9)
 
 
 def _fragmentation_mismatch(out, expected, keys, slabs, holes, size) -> Optional[str]:
@@ -451,8 +461,8 @@ def _fragmentation_mismatch(out, expected, keys, slabs, holes, size) -> Optional
                 return (f"you returned {key}={bool(got)}, expected {want}"
                         + _refusal_hint(holes, size, want))
         elif not math.isclose(float(got), want, abs_tol=1e-9):
-            hint = (_internal_hint(slabs, float(got)) if key == "internal" else
-                    _external_hint(slabs, holes, float(got)))
+            hint = (_internal_hint(slabs, float(got), want) if key == "internal" else
+                    _external_hint(slabs, holes, float(got), want))
             return f"you returned {key}={float(got):.4g}, expected {want:.4g}{hint}"
     return None
 
@@ -521,7 +531,7 @@ FRAGMENTATION = Exercise("ch02.fragmentation", "fragmentation", (
     Check("internal: unwritten tokens of all slabs over all reserved tokens (not a mean of "
           "ratios)", _fragmentation_cases([(_FRAG, 5), (_THREE_HOLES, 5)], ["internal"])),
     Check("external: 1 - largest hole / total free memory",
-          _fragmentation_cases([(_FRAG, 5), (_THREE_HOLES, 5), (_ONE_HOLE, 5)], ["external"])),
+          _fragmentation_cases([(_ONE_HOLE, 5), (_THREE_HOLES, 5), (_FRAG, 5)], ["external"])),
     Check("0.0 when nothing is reserved or nothing is free (no division by zero)",
           _fragmentation_cases([(_NO_SLABS, 5), (_FULL, 5)], ["internal", "external"])),
     Check("refused_by_fragmentation: no hole fits, yet the holes together would",

@@ -23,6 +23,7 @@ from ..cache.blocks import BlockManager
 from .core import Check, Exercise
 from .core import Problem as _Problem
 from .core import checked as _checked
+from .hints import one_fit
 
 
 def _ceil(a: int, b: int) -> int:
@@ -434,13 +435,15 @@ def _slot_cases(cases):
             if len(got) != len(want):
                 raise _Problem(f"{what}: returned {len(got)} slots, expected {len(want)}, one per "
                                "position from start up to but excluding end")
+            alts = []
             for variant, sentence in _SLOT_VARIANTS:
                 try:
-                    alt = [variant(table, p, bs) for p in range(start, end)]
+                    alts.append(([variant(table, p, bs) for p in range(start, end)], sentence))
                 except IndexError:
                     continue
-                if alt != want and got == alt:
-                    raise _Problem(f"{what}: you returned {got}, expected {want}; {sentence}")
+            sentence = one_fit(got, alts, expected=want)
+            if sentence:
+                raise _Problem(f"{what}: you returned {got}, expected {want}; {sentence}")
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             p = start + i
             raise _Problem(f"{what}: you returned {got}, expected {want}; position {p} lives in "
@@ -564,10 +567,7 @@ def _diagnose_gather(out, case) -> Optional[str]:
         variants.append((flat[table[pos // bs + 1] * bs + pos % bs],
                          "each row comes from the NEXT block of the table: the logical block of "
                          "position p is p // BLOCK_SIZE"))
-    for alt, sentence in variants:
-        if not torch.equal(alt, case.expected) and torch.equal(out, alt):
-            return sentence
-    return None
+    return one_fit(out, variants, expected=case.expected, same=torch.equal) or None
 
 
 def _gather_cases(specs):

@@ -378,37 +378,58 @@ def _continuous_variant(lens, slots, delay):
     return end
 
 
-def _occupancy_hint(lens, slots, scheduling, got, want) -> str:
+def _steps_explanations(lens, slots, scheduling) -> list:
+    """[(steps, sentence)]: the steps each known mistake would give on this trace."""
+    if scheduling == "static":
+        return [
+            (_static_variant(lens, slots, lambda b: b[0]), "your batches last the first "
+             "member's length; a static batch runs until its LONGEST member has finished"),
+            (_static_variant(lens, slots, lambda b: round(sum(b) / len(b))), "your batches "
+             "last the mean length; a static batch runs until its LONGEST member has finished"),
+            (_static_variant(lens, slots, min), "your batches last the shortest member's "
+             "length; a static batch runs until its LONGEST member has finished"),
+            (_static_variant(lens, slots, max, sorted), "you grouped the requests by length; "
+             "batches are formed in arrival order (first come, first served): the first "
+             "max_num_seqs, the next ..."),
+            (_continuous_variant(lens, slots, 0), "that is the continuous schedule: under "
+             "static batching nobody joins until the whole batch has finished"),
+        ]
+    return [
+        (_continuous_variant(lens, slots, 1), "your slots are refilled one step late: a "
+         "request that samples its last token in step k leaves at the end of step k, and a "
+         "waiting one takes its slot in step k + 1"),
+        (_continuous_variant(lens, slots, -1), "your slots are refilled in the step where "
+         "their request samples its last token; it still holds the slot in that step, the next "
+         "one can start in step k + 1"),
+        (_static_variant(lens, slots, max), "that is the static schedule: under continuous "
+         "batching a freed slot is refilled at once, whatever the rest of the batch does"),
+    ]
+
+
+def _steps_hint(runs) -> str:
+    """runs: [(lens, slots, scheduling, got_steps, want_steps)] of one check. A mistake is named
+    only when it alone gives the learner's steps on EVERY trace of the check (two mistakes can
+    agree on one trace: [4, 1, 1, 1] in 2 slots takes 5 steps under the static schedule and
+    under a continuous one that refills a step late)."""
+    fits = None
+    for lens, slots, scheduling, got, want in runs:
+        here = {sentence for value, sentence in _steps_explanations(lens, slots, scheduling)
+                if value == got}
+        fits = here if fits is None else fits & here
+    # a mistake that gives the right steps on every trace explains no difference
+    wrong = {sentence for lens, slots, scheduling, got, want in runs if got != want
+             for value, sentence in _steps_explanations(lens, slots, scheduling) if value != want}
+    fits = (fits or set()) & wrong
+    return f"; {fits.pop()}" if len(fits) == 1 else ""
+
+
+def _occupancy_hint(lens, slots, scheduling, got, want, runs=None) -> str:
     if not lens:
         return "; with no requests there are no steps, so every count is 0"
     if got["steps"] != want["steps"]:
-        if scheduling == "static":
-            for name, value in (
-                    ("the first member's length", _static_variant(lens, slots, lambda b: b[0])),
-                    ("the mean length", _static_variant(lens, slots, lambda b: round(sum(b) / len(b)))),
-                    ("the shortest member's length", _static_variant(lens, slots, min))):
-                if got["steps"] == value != want["steps"]:
-                    return (f"; your batches last {name}; a static batch runs until its LONGEST "
-                            "member has finished")
-            if got["steps"] == _static_variant(lens, slots, max, sorted) != want["steps"]:
-                return ("; you grouped the requests by length; batches are formed in arrival "
-                        "order (first come, first served): the first max_num_seqs, the next ...")
-            if got["steps"] == _continuous_variant(lens, slots, 0) != want["steps"]:
-                return ("; that is the continuous schedule: under static batching nobody joins "
-                        "until the whole batch has finished")
-        else:
-            if got["steps"] == _continuous_variant(lens, slots, 1) != want["steps"]:
-                return ("; your slots are refilled one step late: a request that samples its "
-                        "last token in step k leaves at the end of step k, and a waiting one "
-                        "takes its slot in step k + 1")
-            if got["steps"] == _continuous_variant(lens, slots, -1) != want["steps"]:
-                return ("; your slots are refilled in the step where their request samples its "
-                        "last token; it still holds the slot in that step, the next one can "
-                        "start in step k + 1")
-            if got["steps"] == _static_variant(lens, slots, max) != want["steps"]:
-                return ("; that is the static schedule: under continuous batching a freed slot "
-                        "is refilled at once, whatever the rest of the batch does")
-        return ""
+        same_policy = [r for r in runs or [] if r[2] == scheduling]   # a static bug leaves
+        return _steps_hint(same_policy or [(lens, slots, scheduling, got["steps"],   # continuous
+                                            want["steps"])])                        # runs alone
     if got["idle_slot_steps"] != want["idle_slot_steps"]:
         busy = sum(lens)
         if got["idle_slot_steps"] == got["steps"] * slots:
@@ -423,18 +444,23 @@ def _occupancy_hint(lens, slots, scheduling, got, want) -> str:
 
 def _occupancy_cases(cases, keys=_OCC_KEYS):
     def check(fn):
+        runs, first_wrong = [], None
         for lens, slots, scheduling in cases:
             want = _occupancy_reference(lens, slots, scheduling)
             got, problem = _call_occupancy(fn, lens, slots, scheduling)
             what = f"output_lens={list(lens)}, max_num_seqs={slots}, scheduling={scheduling!r}"
             if problem:
                 return False, f"{what}: {problem}"
-            if any(got[k] != want[k] for k in keys):
-                shown = {k: got[k] for k in keys}
-                expected = {k: want[k] for k in keys}
-                return False, (f"{what}: you returned {shown}, expected {expected}"
-                               + _occupancy_hint(lens, slots, scheduling, got, want))
-        return True, ""
+            runs.append((lens, slots, scheduling, got["steps"], want["steps"]))
+            if first_wrong is None and any(got[k] != want[k] for k in keys):
+                first_wrong = (what, lens, slots, scheduling, got, want)
+        if first_wrong is None:
+            return True, ""
+        what, lens, slots, scheduling, got, want = first_wrong
+        shown = {k: got[k] for k in keys}
+        expected = {k: want[k] for k in keys}
+        return False, (f"{what}: you returned {shown}, expected {expected}"
+                       + _occupancy_hint(lens, slots, scheduling, got, want, runs))
     return check
 
 

@@ -1,244 +1,45 @@
 """Graders for the chapter 05 problem set (solutions/05_chunked_prefill.ipynb).
 
-    ch05.check_plan_step(plan_step)            # (a) split one step's token budget: decodes
-                                               #     first, then prompts FCFS, chunked to fit
-    ch05.check_step_metadata(step_metadata)    # (b) flatten a step into cu_seqlens_q,
-                                               #     positions and seq_lens
+    ch05.check_step_metadata(step_metadata)              # (a) flatten a step into cu_seqlens_q,
+                                                         #     positions and seq_lens
+    ch05.check_prefill_attention(paged_prefill_attention)  # (b) the paged prefill kernel: ragged
+                                                         #     causal chunks over a block pool
 
-(a) plan_step(decodes, prompts, budget, max_num_seqs) -> {request_id: num_tokens}. The reference
-is minillm's own `engine.Scheduler`: each case builds real Requests in exactly the state the
-case describes (running decodes, waiting prompts), calls `schedule()` once and reads what it
-planned.
-
-(b) step_metadata(spans) -> {"cu_seqlens_q": [...], "positions": [...], "seq_lens": [...]} for
+(a) step_metadata(spans) -> {"cu_seqlens_q": [...], "positions": [...], "seq_lens": [...]} for
 spans [(num_computed, num_new)]. The reference writes out the rules `engine.ModelRunner.prepare`
 follows; tests/test_grading_ch05.py checks that both give the same tensors.
 
-Every case is small and seeded; no model runs.
+(b) paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+-> out [T, H, D], what `minillm.kernels.paged_prefill_attention` computes: every sequence's new
+queries are its LAST q_len tokens, so query i sits at position seq_len - q_len + i and sees the
+keys up to there (the context-shifted causal mask of a chunked prefill), read from the pool
+through the sequence's block table. The reference is minillm's kernel twin
+(`impl="reference"`); tests/test_grading_ch05.py checks it against plain per-sequence
+scaled_dot_product_attention.
+
+Every case is small, seeded and on the CPU; no model runs.
 """
 from __future__ import annotations
 
+import math
 import random
 from numbers import Integral
 from typing import Optional
 
-from ..cache.blocks import BlockManager
-from ..engine.request import Request
-from ..engine.scheduler import Scheduler
-from ..sampling import SamplingParams
+import torch
+
+from .. import kernels
 from .core import Check, Exercise
 from .core import Problem as _Problem
 from .core import checked as _checked
+from .hints import one_fit
 
 
 def _is_int(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
 
 
-# =========================================================================== (a) plan_step
-
-_BLOCK = 16
-_DECODE_CONTEXT = 3          # a running decode's prompt length in the reference (any value works)
-
-
-def reference_plan(decodes, prompts, budget: int, max_num_seqs: int) -> dict:
-    """What minillm's Scheduler schedules in one step: running decodes `decodes` (ids, oldest
-    first), waiting prompts `prompts` [(id, remaining tokens)] in arrival order."""
-    num_blocks = len(decodes) + sum(-(-r // _BLOCK) for _, r in prompts) + 1   # never short
-    bm = BlockManager(num_blocks, _BLOCK)
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                      enable_chunked_prefill=True)
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    order = 0
-    for rid in decodes:
-        req = Request(order, rid, [0] * _DECODE_CONTEXT, params, 0.0, order)
-        req.output_token_ids = [0]                      # the last sampled token is not cached
-        req.num_computed_tokens = _DECODE_CONTEXT
-        bm.allocate(order, _DECODE_CONTEXT)
-        sched.add_running(req)
-        order += 1
-    for rid, remaining in prompts:
-        sched.add(Request(order, rid, [0] * remaining, params, 0.0, order))
-        order += 1
-    out = sched.schedule()
-    return {req.request_id: n for req, n in out.scheduled}
-
-
-def _describe_plan_case(decodes, prompts, budget, max_num_seqs) -> str:
-    return (f"decodes={list(decodes)}, prompts={[tuple(p) for p in prompts]}, budget={budget}, "
-            f"max_num_seqs={max_num_seqs}")
-
-
-def _call_plan(fn, decodes, prompts, budget, max_num_seqs) -> dict:
-    out = fn(list(decodes), [tuple(p) for p in prompts], budget, max_num_seqs)
-    if not isinstance(out, dict):
-        raise _Problem(f"{_describe_plan_case(decodes, prompts, budget, max_num_seqs)}: you "
-                       f"returned a {type(out).__name__} ({str(out)[:60]}); return a dict "
-                       "{request_id: number of tokens this step}")
-    for rid, n in out.items():
-        if not _is_int(n):
-            raise _Problem(f"{_describe_plan_case(decodes, prompts, budget, max_num_seqs)}: "
-                           f"request {rid!r} maps to {n!r}; every value must be an int token "
-                           "count")
-    return {rid: int(n) for rid, n in out.items()}
-
-
-def _plan_diagnosis(got: dict, decodes, prompts, budget: int, max_num_seqs: int) -> str:
-    """Which rule the learner's plan breaks, in words (the first one found)."""
-    remaining = dict(prompts)
-    unknown = [rid for rid in got if rid not in remaining and rid not in decodes]
-    if unknown:
-        return f"{unknown} are neither running decodes nor waiting prompts"
-    zeros = [rid for rid, n in got.items() if n == 0]
-    if zeros:
-        return (f"{zeros} get 0 tokens; leave a request that computes nothing this step out "
-                "of the dict")
-    negative = [rid for rid, n in got.items() if n < 0]
-    if negative:
-        return f"{negative} get a negative number of tokens"
-    wrong_decodes = [rid for rid in decodes if rid in got and got[rid] != 1]
-    if wrong_decodes:
-        return (f"decodes {wrong_decodes} get {[got[r] for r in wrong_decodes]} tokens; a "
-                "running decode computes exactly 1 token per step (its last sampled token)")
-    too_many = [rid for rid, r in prompts if got.get(rid, 0) > r]
-    if too_many:
-        rid = too_many[0]
-        return (f"prompt {rid!r} has only {remaining[rid]} tokens left but you gave it "
-                f"{got[rid]}")
-    total = sum(got.values())
-    served_decodes = sum(1 for rid in decodes if rid in got)
-    if total > budget:
-        prompt_tokens = total - served_decodes
-        if prompt_tokens <= budget and served_decodes:
-            return (f"you planned {total} tokens, over the budget of {budget}: the prompts alone "
-                    f"take {prompt_tokens}, and the {served_decodes} decodes come out of the "
-                    "same budget, so subtract them before giving prompts their share")
-        return (f"you planned {total} tokens, over the budget of {budget}; a prompt that does "
-                "not fit takes only what is left of the budget (a chunk)")
-    if len(got) > max_num_seqs:
-        return (f"{len(got)} sequences in one step, but max_num_seqs is {max_num_seqs}; the "
-                "running decodes count too")
-    missing = [rid for rid in decodes if rid not in got]
-    if missing:
-        served = [rid for rid, _ in prompts if rid in got]
-        if served:
-            return (f"decodes {missing} get nothing while prompts {served} are served: this "
-                    "starves the decodes. Serve every running decode first (1 token each), "
-                    "then give prompts what is left, so a long prompt never stalls them")
-        return f"the running decodes {missing} get nothing; each needs its 1 token"
-    for i, (rid, r) in enumerate(prompts):
-        later = [p for p, _ in prompts[i + 1:] if p in got]
-        if got.get(rid, 0) < r and later:
-            return (f"prompt {later[0]!r} got tokens although {rid!r}, which arrived earlier, "
-                    f"did not get all of its {r}: first come, first served, so an earlier "
-                    "prompt is never overtaken (not even by a shorter one)")
-    left = budget - total
-    if left > 0 and len(got) < max_num_seqs:
-        waiting = [(rid, r) for rid, r in prompts if got.get(rid, 0) < r]
-        if waiting:
-            rid, r = waiting[0]
-            partial = [p for p, rp in prompts if 0 < got.get(p, 0) < rp]
-            if rid not in got and r > left and not partial:
-                return (f"{left} tokens of the budget stay unused while prompt {rid!r} "
-                        f"({r} tokens left) waits: chunk it, give it the {left} tokens that "
-                        "fit now; the rest follows in later steps")
-            return (f"{left} tokens of the budget stay unused while prompt {rid!r} waits: any "
-                    "number of prompts can share a step, each taking what is left, in arrival "
-                    "order")
-    return ""
-
-
-def _plan_cases(cases):
-    @_checked
-    def check(fn):
-        for decodes, prompts, budget, max_num_seqs in cases:
-            got = _call_plan(fn, decodes, prompts, budget, max_num_seqs)
-            want = reference_plan(decodes, prompts, budget, max_num_seqs)
-            if got != want:
-                why = _plan_diagnosis(got, decodes, prompts, budget, max_num_seqs)
-                raise _Problem(f"{_describe_plan_case(decodes, prompts, budget, max_num_seqs)}: "
-                               f"you returned {got}, expected {want}" + (f"; {why}" if why else ""))
-    return check
-
-
-_D3 = ["d0", "d1", "d2"]
-_D8 = [f"d{i}" for i in range(8)]
-
-_FITS = [(_D3, [("p", 10)], 64, 8), (["a"], [("p", 1), ("q", 2)], 16, 4), (_D3, [], 8, 8)]
-_STARVE = [(["d0", "d1", "d2", "d3"], [("long", 300)], 16, 8), (_D8, [("long", 500)], 16, 16)]
-_BUDGET = [(_D3, [("p", 100)], 32, 8), (["a", "b"], [("p", 20), ("q", 30)], 24, 4),
-           ([], [("p", 40)], 16, 4)]
-_CHUNK = [(_D3, [("p", 100)], 32, 8), ([], [("p", 40)], 16, 4),
-          (["a"], [("p", 6), ("q", 50)], 20, 4)]
-_SHARE = [(["a", "b"], [("p", 5), ("q", 7), ("r", 40)], 32, 8),
-          (["a"], [("long", 100), ("short", 3)], 20, 4),
-          ([], [("p", 3), ("q", 3), ("r", 3), ("s", 30)], 16, 8)]
-_MAX_SEQS = [(_D3, [("p", 2), ("q", 2), ("r", 2)], 64, 4),
-             ([], [("p", 2), ("q", 2), ("r", 2), ("s", 2), ("t", 2)], 64, 2),
-             (["a", "b"], [("p", 2)], 16, 2)]
-_LEFT_OUT = [(["d0", "d1", "d2", "d3"], [("p", 10)], 4, 4),
-             (["a", "b"], [("p", 2), ("q", 2)], 8, 3),
-             (["a"], [("p", 7), ("q", 5)], 8, 8)]
-
-
-@_checked
-def _plan_errors(fn):
-    for decodes, prompts, budget, max_num_seqs, why in (
-            (["a"], [("p", 5)], 3, 4, "budget 3 < max_num_seqs 4: a full batch of decodes "
-                                      "would not fit in one step"),
-            (["a", "b", "c"], [("p", 5)], 16, 2, "3 running decodes but max_num_seqs is 2"),
-            (["a"], [("p", 5), ("q", 0)], 16, 4, "prompt 'q' has 0 tokens left"),
-            ([], [("p", -2)], 16, 4, "prompt 'p' has -2 tokens left")):
-        what = f"{_describe_plan_case(decodes, prompts, budget, max_num_seqs)} ({why})"
-        try:
-            out = fn(list(decodes), [tuple(p) for p in prompts], budget, max_num_seqs)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise _Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError with a "
-                           "message that names the problem")
-        raise _Problem(f"{what}: you returned {str(out)[:60]} instead of raising ValueError")
-
-
-def _random_plan_cases(seed: int, n: int):
-    rng = random.Random(seed)
-    cases = []
-    for _ in range(n):
-        max_num_seqs = rng.randint(1, 12)
-        budget = rng.randint(max_num_seqs, 96)
-        decodes = [f"d{i}" for i in range(rng.randint(0, max_num_seqs))]
-        prompts = [(f"p{i}", rng.choice([1, 2, rng.randint(1, 40), rng.randint(1, 200)]))
-                   for i in range(rng.randint(0, 5))]
-        cases.append((decodes, prompts, budget, max_num_seqs))
-    return cases
-
-
-PLAN_STEP = Exercise("ch05.plan_step", "plan_step", (
-    Check("every running decode gets 1 token; a prompt that fits gets all of it",
-          _plan_cases(_FITS)),
-    Check("decodes are served before prompts (a long prompt never starves them)",
-          _plan_cases(_STARVE)),
-    Check("never plans more tokens than the budget, decodes included", _plan_cases(_BUDGET)),
-    Check("a prompt that does not fit is chunked: it takes what is left of the budget",
-          _plan_cases(_CHUNK)),
-    Check("several prompts share a step, first come first served", _plan_cases(_SHARE)),
-    Check("at most max_num_seqs sequences per step, decodes included", _plan_cases(_MAX_SEQS)),
-    Check("requests that get no tokens are left out of the plan", _plan_cases(_LEFT_OUT)),
-    Check("bad input raises ValueError", _plan_errors),
-    Check("agrees with minillm's Scheduler on 300 random steps",
-          _plan_cases(_random_plan_cases(5, 300))),
-))
-
-
-def check_plan_step(plan_step, time_limit: Optional[float] = None):
-    """Grade exercise (a): plan_step(decodes, prompts, budget, max_num_seqs) ->
-    {request_id: num_tokens}."""
-    return PLAN_STEP.check(plan_step, time_limit)
-
-
-# =========================================================================== (b) step metadata
+# =========================================================================== (a) step metadata
 
 _FIELDS = ("cu_seqlens_q", "positions", "seq_lens")
 
@@ -322,8 +123,7 @@ def _metadata_cases(cases, fields=_FIELDS):
             for name in fields:
                 if got[name] == want[name]:
                     continue
-                hint = next((why for value, why in _variants(spans)[name]
-                             if value == got[name] and value != want[name]), "")
+                hint = one_fit(got[name], _variants(spans)[name], expected=want[name])
                 raise _Problem(f"spans={list(spans)}: {name} is {got[name]}, expected "
                                f"{want[name]}" + (f"; {hint}" if hint else ""))
     return check
@@ -387,9 +187,243 @@ STEP_METADATA = Exercise("ch05.step_metadata", "step_metadata", (
 
 
 def check_step_metadata(step_metadata, time_limit: Optional[float] = None):
-    """Grade exercise (b): step_metadata([(num_computed, num_new), ...]) ->
+    """Grade exercise (a): step_metadata([(num_computed, num_new), ...]) ->
     {"cu_seqlens_q": [...], "positions": [...], "seq_lens": [...]}."""
     return STEP_METADATA.check(step_metadata, time_limit)
 
 
-EXERCISES = (PLAN_STEP, STEP_METADATA)
+
+
+# =========================================================================== (b) prefill attention
+
+class _Step:
+    """One call of paged_prefill_attention: a block pool, the sequences' tables, and the answer.
+
+    spans: [(context, q_len)] per sequence: `context` keys came before this step (earlier chunks,
+    or a decode's history) and the step brings `q_len` new queries, whose K/V are already stored.
+    Every slot of the pool that no sequence owns, and the slots after seq_len in each sequence's
+    last block, hold large stale values, so reading a slot through the wrong block changes the
+    output a lot.
+    """
+
+    def __init__(self, label, spans, H=2, KVH=2, D=8, block_size=4, scatter=True, scale=None,
+                 dtype=torch.float32, seed=0):
+        self.label, self.spans, self.H, self.KVH, self.D = label, list(spans), H, KVH, D
+        self.block_size, self.dtype = block_size, dtype
+        self.scale = 1 / math.sqrt(D) if scale is None else scale
+        g = torch.Generator().manual_seed(seed)
+        used = [-(-(c + n) // block_size) for c, n in spans]              # blocks per sequence
+        num_blocks = sum(used) + 3                                          # a few never used
+        order = torch.randperm(num_blocks, generator=g).tolist() if scatter else list(range(num_blocks))
+        self.k_cache = 4 * torch.randn(num_blocks, block_size, KVH, D, generator=g) + 2
+        self.v_cache = 4 * torch.randn(num_blocks, block_size, KVH, D, generator=g) - 3
+        max_blocks = max(used, default=0) + 1                              # one padding column
+        self.block_tables = torch.zeros(len(spans), max_blocks, dtype=torch.int32)
+        self.keys, self.values = [], []                                     # per sequence
+        for b, ((c, n), nb) in enumerate(zip(spans, used)):
+            table = [order.pop(0) for _ in range(nb)]
+            self.block_tables[b, :nb] = torch.tensor(table, dtype=torch.int32)
+            k = torch.randn(c + n, KVH, D, generator=g)                     # [seq_len, KVH, D]
+            v = torch.randn(c + n, KVH, D, generator=g)
+            for p in range(c + n):                                          # store through the table
+                self.k_cache[table[p // block_size], p % block_size] = k[p]
+                self.v_cache[table[p // block_size], p % block_size] = v[p]
+            self.keys.append(k)
+            self.values.append(v)
+        self.k_cache, self.v_cache = self.k_cache.to(dtype), self.v_cache.to(dtype)
+        self.cu_seqlens_q = torch.tensor([0] + [sum(n for _, n in spans[:i + 1])
+                                                for i in range(len(spans))], dtype=torch.int32)
+        self.seq_lens = torch.tensor([c + n for c, n in spans], dtype=torch.int32)
+        self.q = torch.randn(sum(n for _, n in spans), H, D, generator=g).to(dtype)   # [T, H, D]
+        self.expected = kernels.paged_prefill_attention(
+            self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens,
+            self.block_tables, self.scale, impl="reference").float()
+
+    def inputs(self):
+        return (self.q, self.k_cache, self.v_cache, self.cu_seqlens_q, self.seq_lens,
+                self.block_tables)
+
+    def describe(self) -> str:
+        heads = f"H={self.H}, KVH={self.KVH}" if self.H != self.KVH else f"H=KVH={self.H}"
+        return (f"{self.label}: spans (context, q_len) {self.spans}, block_size {self.block_size}, "
+                f"{heads}, D={self.D}, scale {self.scale:.4g}, block_tables "
+                f"{self.block_tables.tolist()}")
+
+    def run(self, fn):
+        """The learner's output on fresh copies, and whether the inputs came back untouched."""
+        copies = [t.clone() for t in self.inputs()]
+        out = fn(*copies, self.scale)
+        untouched = all(torch.equal(a, b) for a, b in zip(copies, self.inputs()))
+        return out, untouched
+
+
+def _attend_variant(step: _Step, mask="causal", keys="context", table="paged", tail="cut",
+                    heads="grouped", scale="given") -> torch.Tensor:
+    """The step computed with one known mistake, to name the mistake a learner's output matches."""
+    out = torch.zeros(step.q.shape[0], step.H, step.D)
+    bs, group = step.block_size, step.H // step.KVH
+    row = 0
+    pool_k = step.k_cache.float().flatten(0, 1)                       # [num_slots, KVH, D]
+    pool_v = step.v_cache.float().flatten(0, 1)
+    for b, (c, n) in enumerate(step.spans):
+        seq_len = c + n
+        length = -(-seq_len // bs) * bs if tail == "whole_blocks" else seq_len
+        if table == "ignored":                                       # the pool read in order
+            slots = torch.arange(length)
+        else:
+            blocks = step.block_tables[b, :-(-length // bs)].long()
+            slots = (blocks[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:length]
+        k, v = pool_k[slots], pool_v[slots]                           # [length, KVH, D]
+        first_key = c if keys == "new_only" else 0
+        k, v = k[first_key:], v[first_key:]
+        idx = torch.arange(step.H) % step.KVH if heads == "tiled" else torch.arange(step.H) // group
+        k, v = k[:, idx], v[:, idx]                                   # [Tk, H, D]
+        s = 1 / math.sqrt(step.D) if scale == "sqrt" else step.scale
+        q = step.q[row:row + n].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * s               # [H, n, Tk]
+        q_pos = torch.arange(length - n, length)[:, None]              # true: c .. c + n - 1
+        if mask == "top_left":
+            q_pos = torch.arange(n)[:, None]
+        k_pos = torch.arange(first_key, first_key + k.shape[0])[None, :]
+        if mask in ("causal", "top_left"):
+            hidden = k_pos > q_pos
+        elif mask == "hides_self":
+            hidden = k_pos >= q_pos
+        elif mask == "sees_next":
+            hidden = k_pos > q_pos + 1
+        else:
+            hidden = torch.zeros_like(k_pos > q_pos)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        out[row:row + n] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        row += n
+    return out
+
+
+_PREFILL_DIAGNOSES = [
+    (dict(mask="top_left"), "it equals a mask that puts query i at position i instead of "
+     "seq_len - q_len + i, so the context before the chunk is ignored (this is what "
+     "scaled_dot_product_attention(..., is_causal=True) does with more keys than queries: "
+     "its mask is aligned to the top left)"),
+    (dict(mask="none"), "it equals attention with no causal mask: a query also sees the keys "
+                        "after its own position"),
+    (dict(mask="hides_self"), "it equals a mask where a query cannot see its own key; the query "
+     "at position p sees keys 0 .. p (key_pos <= query_pos)"),
+    (dict(mask="sees_next"), "it equals a mask shifted by one: each query also sees the next "
+     "key; query i of the chunk sits at seq_len - q_len + i, not one later"),
+    (dict(keys="new_only"), "it equals attention over this step's own keys only; the context "
+     "(earlier chunks, a decode's history) is keys 0 .. seq_len - q_len - 1 of the same sequence "
+     "and must be read from the cache too"),
+    (dict(table="ignored"), "it equals reading the pool's slots in order (block 0, 1, 2, ...) "
+     "instead of through the block table: token t of sequence b lives in block "
+     "block_tables[b, t // block_size], row t % block_size"),
+    (dict(tail="whole_blocks"), "it equals reading every slot of the last block and placing "
+     "the queries at the end of them: the slots after seq_len hold stale values, and the last "
+     "query sits at position seq_len - 1 (cut the gathered keys at seq_len)"),
+    (dict(heads="tiled"), "it equals GQA with query head h reading KV head h % KVH; query heads "
+     "come in consecutive groups, so head h reads KV head h // (H // KVH) (repeat_interleave, "
+     "not repeat)"),
+    (dict(scale="sqrt"), "it equals scaling the scores by 1/sqrt(head_dim) instead of the "
+     "`scale` argument; use the scale you are given (models and kernels pass their own)"),
+]
+
+
+def _prefill_check(cases, tolerance=1e-4):
+    @_checked
+    def check(fn):
+        for spec in cases:
+            step = _Step(**spec)
+            out, untouched = step.run(fn)
+            where = step.describe()
+            if not isinstance(out, torch.Tensor):
+                raise _Problem(f"{where}: you returned {type(out).__name__}; return a tensor "
+                               f"[T, H, D] = {list(step.q.shape)}")
+            if tuple(out.shape) != tuple(step.q.shape):
+                raise _Problem(f"{where}: you returned shape {list(out.shape)}; expected "
+                               f"[T, H, D] = {list(step.q.shape)}, one row per query")
+            if out.dtype != step.q.dtype:
+                raise _Problem(f"{where}: you returned {out.dtype}; return q's dtype "
+                               f"({step.q.dtype}): compute in float32 if you like, then cast")
+            if not untouched:
+                raise _Problem(f"{where}: your function modified its inputs; attention only "
+                               "reads q, the cache and the tables")
+            got = out.detach().float()
+            if torch.allclose(got, step.expected, atol=tolerance, rtol=tolerance):
+                continue
+            if torch.isnan(got).any():
+                t, h, _ = torch.nonzero(torch.isnan(got))[0].tolist()
+                raise _Problem(f"{where}: NaN at query row {t}, head {h}; a query whose keys "
+                               "are all masked gives NaN (every query sees at least its own key)")
+            bad = (got - step.expected).abs().amax(dim=(1, 2))                  # [T]
+            t = int(bad.argmax())
+            b = int(torch.searchsorted(step.cu_seqlens_q[1:], t, right=True))
+            c, n = step.spans[b]
+            msg = (f"{where}: row {t} (sequence {b}, query {t - int(step.cu_seqlens_q[b])} of "
+                   f"{n}, at position {c + t - int(step.cu_seqlens_q[b])}) differs from causal "
+                   f"attention by up to {float(bad[t]):.3g}")
+            tol = max(tolerance, 1e-4)
+            sentence = one_fit(got, [(_attend_variant(step, **v), s) for v, s in _PREFILL_DIAGNOSES],
+                               expected=step.expected,
+                               same=lambda a, b: torch.allclose(a, b, atol=tol, rtol=tol))
+            raise _Problem(msg + (f"; {sentence}" if sentence else ""))
+    return check
+
+
+def _random_steps(seed: int, n: int):
+    rng = random.Random(seed)
+    cases = []
+    for i in range(n):
+        KVH = rng.choice([1, 2])
+        spans = []
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.random()
+            if kind < 0.35:
+                spans.append((rng.randint(1, 20), 1))                        # a decode
+            elif kind < 0.65:
+                spans.append((0, rng.randint(1, 12)))                        # a first chunk
+            else:
+                spans.append((rng.randint(1, 20), rng.randint(2, 12)))       # a later chunk
+        cases.append(dict(label=f"random step {i}", spans=spans, H=KVH * rng.choice([1, 2, 3]),
+                          KVH=KVH, D=rng.choice([4, 8]), block_size=rng.choice([1, 2, 4, 5]),
+                          scale=rng.choice([None, 0.25]), seed=1000 + i))
+    return cases
+
+
+_ONE = dict(scatter=False)          # one sequence, blocks 0, 1, 2, ... in order, full blocks
+PREFILL_ATTENTION = Exercise("ch05.prefill_attention", "paged_prefill_attention", (
+    Check("a whole prompt (no context): query i sees keys 0 .. i",
+          _prefill_check([dict(label="whole prompt", spans=[(0, 8)], seed=1, **_ONE)])),
+    Check("a later chunk: query i sits at position seq_len - q_len + i and sees the context",
+          _prefill_check([dict(label="second chunk", spans=[(8, 4)], seed=2, **_ONE),
+                          dict(label="third chunk", spans=[(12, 8)], seed=3, **_ONE)])),
+    Check("a decode (q_len = 1) sees every key of its sequence",
+          _prefill_check([dict(label="decode", spans=[(11, 1)], seed=4, **_ONE)])),
+    Check("keys are read through the block table (blocks scattered over the pool)",
+          _prefill_check([dict(label="scattered blocks", spans=[(0, 8)], seed=5),
+                          dict(label="scattered blocks", spans=[(4, 4)], seed=6)])),
+    Check("a partly filled last block: the keys end, and the last query sits, at seq_len",
+          _prefill_check([dict(label="partial last block", spans=[(0, 6)], seed=7, **_ONE),
+                          dict(label="partial last block", spans=[(5, 2)], seed=8, **_ONE)])),
+    Check("GQA: query head h reads KV head h // (H // KVH)",
+          _prefill_check([dict(label="GQA", spans=[(0, 4)], H=8, KVH=2, seed=9, **_ONE),
+                          dict(label="GQA", spans=[(4, 4)], H=6, KVH=2, seed=10, **_ONE)])),
+    Check("a ragged batch: sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1]",
+          _prefill_check([dict(label="mixed step", spans=[(5, 1), (0, 6), (9, 3), (2, 1)],
+                               seed=11, **_ONE)])),
+    Check("scores are scaled by the scale argument",
+          _prefill_check([dict(label="given scale", spans=[(0, 4), (3, 2)], scale=0.2, seed=12,
+                               **_ONE)])),
+    Check("bfloat16 in, bfloat16 out, inputs untouched",
+          _prefill_check([dict(label="bfloat16", spans=[(3, 1), (0, 5)], dtype=torch.bfloat16,
+                               seed=13)], tolerance=3e-2)),
+    Check("agrees with minillm's kernel twin on 30 random mixed steps",
+          _prefill_check(_random_steps(17, 30))),
+))
+
+
+def check_prefill_attention(paged_prefill_attention, time_limit: Optional[float] = None):
+    """Grade exercise (b): paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
+    block_tables, scale) -> out [T, H, D]."""
+    return PREFILL_ATTENTION.check(paged_prefill_attention, time_limit)
+
+
+EXERCISES = (STEP_METADATA, PREFILL_ATTENTION)

@@ -14,7 +14,9 @@ exceptions, time-outs and crashes into failed checks with a message; report() pr
       FAIL  keeps the smallest set reaching p: for p=0.5 ... you kept ...
     [minillm-grade] ch00.top_p 4/5
 
-The last line is the machine-readable grade line that `python -m minillm.grading` parses.
+The last line is a machine-readable grade line for self-study tools. The instructor's batch
+grader does not read it: in a submission it runs, grade() also records the learner's answers
+(transcript.py) and the batch computes every grade again from that record (batch.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from .timelimit import default_time_limit, describe_exception, run_stream
+from .transcript import recorder_from_env
 
 GRADE_LINE_PREFIX = "[minillm-grade]"
 GRADE_LINE_RE = re.compile(r"^\[minillm-grade\] (?P<exercise>[A-Za-z0-9_.\-]+) "
@@ -58,7 +61,7 @@ class GradeResult:
 
     @property
     def full_marks(self) -> bool:
-        return self.score == self.max
+        return self.max > 0 and self.score == self.max
 
     @property
     def messages(self) -> list[str]:
@@ -142,25 +145,34 @@ def grade(exercise: Exercise, learner: Callable, time_limit: Optional[float] = N
         outcomes = [CheckOutcome(c.name, False, why) for c in exercise.checks]
         return GradeResult(exercise.id, exercise.title, outcomes)
     limit = default_time_limit() if time_limit is None else time_limit
+    # In a submission run by the instructor's batch grader, every check also records what the
+    # learner's code answered; the batch computes the grade from that record (transcript.py).
+    recorder = recorder_from_env(exercise.id, len(exercise.checks), learner)
 
     def job():
-        for check in exercise.checks:
-            yield _run_check(check, learner)
+        for index, check in enumerate(exercise.checks):
+            yield _run_check(check, recorder.stand_in(index) if recorder else learner)
+            if recorder:
+                recorder.done(index)
 
     items, problem = run_stream(job, limit, isolation)
-    outcomes = [CheckOutcome(c.name, ok, msg) for c, (ok, msg) in zip(exercise.checks, items)]
-    if problem is not None:
-        stuck = exercise.checks[len(items)] if len(items) < len(exercise.checks) else None
-        if stuck is not None:
-            if problem == "timeout":
-                why = (f"did not finish within the time limit of {limit:g} s (an infinite loop, "
-                       "or far too slow?)")
-            else:
-                why = f"crashed: {problem}"
-            outcomes.append(CheckOutcome(stuck.name, False, why))
-            for c in exercise.checks[len(items) + 1:]:
-                outcomes.append(CheckOutcome(c.name, False, "not run: an earlier check "
-                                             "did not finish"))
+    items = items[:len(exercise.checks)]
+    if problem is None and len(items) < len(exercise.checks):
+        problem = "the process running it stopped before every check had answered"
+    outcomes = [CheckOutcome(c.name, bool(ok), str(msg))
+                for c, (ok, msg) in zip(exercise.checks, items)]
+    if len(items) < len(exercise.checks):                  # a check never answered: it fails
+        if problem == "timeout":
+            why = (f"did not finish within the time limit of {limit:g} s (an infinite loop, "
+                   "or far too slow?)")
+        else:
+            why = f"crashed: {problem}"
+        if recorder:
+            recorder.stopped(len(items), "timeout" if problem == "timeout" else problem)
+        outcomes.append(CheckOutcome(exercise.checks[len(items)].name, False, why))
+        for c in exercise.checks[len(items) + 1:]:
+            outcomes.append(CheckOutcome(c.name, False, "not run: an earlier check "
+                                         "did not finish"))
     return GradeResult(exercise.id, exercise.title, outcomes)
 
 

@@ -15,7 +15,13 @@ Generation replaces each marked region of a code cell by, at the indentation of 
         # YOUR CODE HERE
         raise NotImplementedError("Exercise: write the body of top_p_filter")
 
-(a marked region in a markdown cell becomes "YOUR ANSWER HERE"). It drops every output,
+(a marked region in a markdown cell becomes "YOUR ANSWER HERE"). Every later code cell that
+uses a name the stubbed cells define (the function itself, or a launcher around it), or a name
+bound by such a cell, gets the cell tag `raises-exception`: until the learner writes the
+function it raises NotImplementedError, and with that tag JupyterLab's Run All and nbclient go
+on to the next cell instead of stopping, so the later exercises and their checks still run.
+Check cells are left alone: a grader reports an unwritten function as a score, it does not
+raise. It drops every output,
 execution count and `# NBVAL_...` directive line (nbval runs solutions/, never exercises/),
 keeps only the kernelspec and the language name as notebook metadata, and writes nbformat's
 stable JSON (sorted keys), so the same solutions always give the same bytes. `--check` writes
@@ -25,6 +31,7 @@ what generation would write, or has no solutions notebook.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import sys
 from pathlib import Path
@@ -36,6 +43,7 @@ END = "### END SOLUTION"
 _DEF = re.compile(r"^(\s*)(?:async\s+)?def\s+(\w+)\s*\(")
 _NBVAL = re.compile(r"^\s*#\s*NBVAL_[A-Z_]+\s*$")      # nbval directives: for CI of solutions only
 _KEEP_CELL_METADATA = ("tags", "deletable", "editable")
+RAISES = "raises-exception"          # the cell tag JupyterLab and nbclient honour
 
 
 def _indent(line: str) -> str:
@@ -86,11 +94,61 @@ def strip_solutions(source: str, cell_type: str, where: str) -> str:
     return "\n".join(out)
 
 
+def _python(source: str) -> str:
+    """IPython magics and shell escapes are not Python; blank them out for parsing."""
+    return "\n".join("" if l.lstrip().startswith(("%", "!")) else l for l in source.split("\n"))
+
+
+def _bound_names(tree: ast.Module) -> set[str]:
+    """Names a cell binds at its top level: assignments, defs, classes, imports, loop targets."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        else:
+            names.update(n.id for n in ast.walk(node)
+                         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+    return names
+
+
+def _used_names(tree: ast.Module) -> set[str]:
+    """Names a cell reads, except those handed straight to a grader (`chNN.check_xxx(fn)`)."""
+    graded = set()
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr.startswith("check_")):
+            graded.update(id(a) for a in node.args if isinstance(a, ast.Name))
+    return {n.id for n in ast.walk(tree)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load) and id(n) not in graded}
+
+
+def tag_cells_that_raise(cells, stub_cells: set[int]) -> None:
+    """Add the `raises-exception` tag to every code cell after a stub that depends on it.
+
+    A name is "unsolved" when a stub cell binds it, or when a cell that uses an unsolved name
+    binds it; a cell that uses an unsolved name raises until the exercises are written."""
+    unsolved: set[str] = set()
+    for index, cell in enumerate(cells):
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(_python(cell.source))
+        except SyntaxError:
+            continue                              # not Python; _check_compiles covers stubs
+        if index in stub_cells:
+            unsolved |= _bound_names(tree)
+        elif _used_names(tree) & unsolved:
+            tags = list(cell.metadata.get("tags", []))
+            if RAISES not in tags:
+                cell.metadata["tags"] = tags + [RAISES]
+            unsolved |= _bound_names(tree)
+
+
 def _check_compiles(source: str, where: str) -> None:
-    # IPython magics and shell escapes are not Python; blank them out for the syntax check.
-    code = "\n".join("" if l.lstrip().startswith(("%", "!")) else l for l in source.split("\n"))
     try:
-        compile(code, where, "exec")
+        compile(_python(source), where, "exec")
     except SyntaxError as exc:
         raise ValueError(f"{where}: the generated stub is not valid Python ({exc.msg}, line "
                          f"{exc.lineno}); keep def lines and docstrings outside the markers and "
@@ -101,6 +159,7 @@ def make_exercise_notebook(nb: nbformat.NotebookNode, name: str = "notebook"):
     """A new notebook: `nb` with solutions replaced by stubs and all outputs removed."""
     nb = nbformat.from_dict(nb)                  # a deep copy
     marked = 0
+    stub_cells = set()
     for index, cell in enumerate(nb.cells):
         where = f"{name} cell {index}"
         if BEGIN in cell.source or END in cell.source:
@@ -108,6 +167,7 @@ def make_exercise_notebook(nb: nbformat.NotebookNode, name: str = "notebook"):
             cell.source = strip_solutions(cell.source, cell.cell_type, where)
             if cell.cell_type == "code":
                 _check_compiles(cell.source, where)
+                stub_cells.add(index)
         cell.metadata = {k: v for k, v in cell.metadata.items() if k in _KEEP_CELL_METADATA}
         if cell.cell_type == "code":
             cell.source = "\n".join(l for l in cell.source.split("\n") if not _NBVAL.match(l))
@@ -115,6 +175,7 @@ def make_exercise_notebook(nb: nbformat.NotebookNode, name: str = "notebook"):
             cell.execution_count = None
     if not marked:
         raise ValueError(f"{name} has no '{BEGIN}' region: a problem set needs at least one")
+    tag_cells_that_raise(nb.cells, stub_cells)
     meta = {}
     if "kernelspec" in nb.metadata:
         meta["kernelspec"] = nb.metadata["kernelspec"]

@@ -77,9 +77,15 @@ def default_isolation() -> str:
 def describe_exception(exc: BaseException) -> tuple[str, str, str]:
     """(type name, message, where) of an exception; `where` names the deepest frame that is
     neither minillm's nor a library's, i.e. the learner's own line when there is one."""
-    detail = str(exc)
+    try:
+        detail = str(exc)
+    except Exception:                             # a learner's exception with a broken __str__
+        detail = "<unprintable>"
     if len(detail) > 300:
         detail = detail[:300] + " ..."
+    where = getattr(exc, "_minillm_where", None)  # an exception replayed from a transcript
+    if isinstance(where, str):
+        return type(exc).__name__, detail, where
     where = ""
     for frame in traceback.extract_tb(exc.__traceback__):
         path = os.path.abspath(frame.filename)
@@ -143,6 +149,9 @@ def _child_setup() -> None:
         sys.modules["torch"].set_num_threads(1)  # the parent's OpenMP pool is gone after fork()
 
 
+_FINISHED = ("minillm-grading", "job finished")     # last item of a job that ran to its end
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -164,6 +173,8 @@ def _run_forked(job, limit: float) -> tuple[list, Optional[str]]:
             for item in job():
                 data = pickle.dumps(item)
                 _write_all(write_fd, struct.pack("<Q", len(data)) + data)
+            data = pickle.dumps(_FINISHED)           # the job ran to its end
+            _write_all(write_fd, struct.pack("<Q", len(data)) + data)
         except BaseException:
             code = 70
         finally:
@@ -197,6 +208,9 @@ def _run_forked(job, limit: float) -> tuple[list, Optional[str]]:
             except ProcessLookupError:
                 pass
         _, status = os.waitpid(pid, 0)
+    finished = bool(items) and items[-1] == _FINISHED
+    if finished:
+        items.pop()
     if problem is None:
         if os.WIFSIGNALED(status):
             problem = f"the process running it was killed by signal {os.WTERMSIG(status)}"
@@ -204,6 +218,8 @@ def _run_forked(job, limit: float) -> tuple[list, Optional[str]]:
             problem = "the grading process failed to send its result back (is it picklable?)"
         elif os.WEXITSTATUS(status) != 0:
             problem = f"the process running it exited with status {os.WEXITSTATUS(status)}"
+        elif not finished:                       # os._exit(0) in the learner's code
+            problem = "the process running it exited with status 0 before it had finished"
     return items, problem
 
 
