@@ -384,3 +384,58 @@ def test_preemptions_show_in_metrics(model, tok):
         m = metric_samples(srv.base_url)
     assert eng.num_preemptions > 0
     assert m[("minillm:num_preemptions_total", frozenset())] == eng.num_preemptions
+
+
+def test_a_fault_in_one_requests_step_fails_that_request_only(model, tok):
+    """The engine isolates a failure inside one request's step (here its stop check raises
+    after 4 tokens): that request gets an error (a 500 or an error event in its stream), the
+    requests running beside it get exactly the text they get alone, and the server goes on."""
+    import types
+    eng = make_engine(model, tok)
+    real = eng._stop_reason
+
+    def poisoned(self, req, token):
+        if req.params.seed == 666 and req.num_output_tokens >= 4:
+            raise RuntimeError("injected stop-check fault")
+        return real(req, token)
+
+    eng._stop_reason = types.MethodType(poisoned, eng)
+    prompts = ["alpha beta", "gamma delta epsilon", "zeta"]
+    with BackgroundServer(eng, MODEL) as srv:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0,
+                          timeout=60)
+        alone = [c.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+                 for p in prompts]
+        results, errors = {}, {}
+
+        def healthy(i):
+            results[i] = stream_completion(c, model=MODEL, prompt=prompts[i], max_tokens=20,
+                                           temperature=0, extra_body={"ignore_eos": True})[0]
+
+        def poisoned_call(stream):
+            try:
+                kw = dict(model=MODEL, prompt="poison", max_tokens=20, seed=666)
+                if stream:
+                    stream_completion(c, **kw)
+                else:
+                    c.completions.create(**kw)
+            except openai.APIError as e:
+                errors[stream] = e
+
+        threads = [threading.Thread(target=healthy, args=(i,)) for i in range(3)]
+        threads += [threading.Thread(target=poisoned_call, args=(s,)) for s in (False, True)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [results[i] for i in range(3)] == alone
+        assert set(errors) == {False, True}
+        assert isinstance(errors[False], openai.InternalServerError)
+        assert "injected stop-check fault" in str(errors[False])
+        assert "injected stop-check fault" in str(errors[True])
+        wait_idle(eng)
+        assert eng.block_manager.num_free_blocks == eng.num_kv_blocks
+        assert c.completions.create(model=MODEL, prompt="after", max_tokens=3).usage
+        m = metric_samples(srv.base_url)
+        assert m[("minillm:request_success_total", frozenset({("finished_reason", "error")}))] == 2

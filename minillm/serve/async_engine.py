@@ -175,13 +175,22 @@ class AsyncEngine:
 
     def _publish(self, finished: list) -> None:
         eng = self.engine
+        broken = []
         for rid, stream in self._streams.items():
             group = eng.groups.get(rid)
             if not group:
                 continue
             ids = group[0].output_token_ids
             if len(ids) > stream.sent_tokens:
-                self._send_delta(stream, eng.decode(ids), len(ids))
+                try:
+                    text = eng.decode(ids)
+                except Exception as e:            # noqa: BLE001 - this request's error only
+                    broken.append((rid, f"detokenisation failed: {type(e).__name__}: {e}"))
+                    continue
+                self._send_delta(stream, text, len(ids))
+        for rid, msg in broken:                   # fail that stream, free its blocks
+            eng.abort_request(rid)
+            self._streams.pop(rid).put(("error", msg))
         for out in finished:
             self.recent[out.request_id] = out
             while len(self.recent) > self.max_recent:
