@@ -157,14 +157,14 @@ def replay(model, trace: Sequence[TraceRequest], cost: StepCost, tokenizer=None,
     request enters (a server would answer 429 otherwise)."""
     clock = VirtualClock()
     engine = LLMEngine(model, tokenizer, clock=clock, **engine_kwargs)
-    execute = engine.runner.execute
+    run = engine.runner.run
 
-    def timed_execute(sched):                    # the forward pass "takes" its modelled time
-        out = execute(sched)
-        clock.advance(cost(sched.num_batched_tokens, len(sched.scheduled)))
+    def timed_run(scheduled):                    # the forward pass "takes" its modelled time
+        out = run(scheduled)
+        clock.advance(cost(sum(n for _, n in scheduled), len(scheduled)))
         return out
 
-    engine.runner.execute = timed_execute
+    engine.runner.run = timed_run
     order = sorted(range(len(trace)), key=lambda i: trace[i].arrival_time)
     results: dict = {}
     steps: list = []
