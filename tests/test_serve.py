@@ -114,17 +114,29 @@ def test_completion_stream_equals_nonstream(client, tok, prompt, max_tokens):
         assert full.usage.completion_tokens == max_tokens
 
 
-def test_stop_string_cut_identically_when_streamed(client):
-    """The stream holds back text that could be the start of a stop string, so the streamed
-    text equals the non-streamed one even when the stop string spans several tokens."""
-    kw = dict(model=MODEL, prompt="The history of computing", max_tokens=40, temperature=0)
-    free = client.completions.create(**kw).choices[0].text
-    stop = free[len(free) // 2: len(free) // 2 + 4]
-    assert len(stop) == 4 and stop.strip()
+def test_stop_string_cut_identically_when_streamed(client, model, tok):
+    """A stop string that spans two tokens: the stream must hold back the text that could be
+    its start, so the streamed text equals the non-streamed one (cut before the stop)."""
+    prompt = "The history of computing"
+    ref = LLM((model, tok), num_kv_blocks=64).generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=40), use_tqdm=False)[0]
+    texts = [tok.decode(ref.token_ids[:k], skip_special_tokens=True)
+             for k in range(len(ref.token_ids) + 1)]
+    stop = None
+    for k in range(2, len(texts) - 1):         # 2+ chars from token k, 2+ from token k + 1
+        a, b = len(texts[k]), len(texts[k + 1])
+        if a - len(texts[k - 1]) >= 2 and b - a >= 2 and texts[k + 1].startswith(texts[k]):
+            cand = texts[k + 1][a - 2:a + 2]
+            if cand.strip() and texts[k + 1].find(cand) == a - 2:
+                stop = cand
+                break
+    assert stop is not None, "no token boundary to put a stop string across"
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    assert client.completions.create(**kw).choices[0].text == ref.text
     cut = client.completions.create(stop=[stop], **kw)
     text, reasons, _ = stream_completion(client, stop=[stop], **kw)
     assert cut.choices[0].finish_reason == "stop"
-    assert cut.choices[0].text == free[:free.find(stop)]
+    assert cut.choices[0].text == ref.text[:ref.text.find(stop)]
     assert text == cut.choices[0].text
     assert [r for r in reasons if r] == ["stop"]
 
