@@ -199,8 +199,3 @@ def test_bad_prompts_fail_alone_on_the_bundled_model(bundled, workload):
     assert "empty" in outs[1].error and "context" in outs[2].error
     assert outs[0].token_ids == expected[0] and outs[3].token_ids == expected[1]
     no_leaks(llm)
-
-
-def test_prefix_caching_flag_is_chapter_06():
-    with pytest.raises(ValueError, match="chapter 06"):
-        minillm.LLM("smollm2-135m", enable_prefix_caching=True)

@@ -86,10 +86,6 @@ def test_max_tokens_must_be_positive(bad):
 
 
 def test_engine_arguments_are_checked(model):
-    with pytest.raises(ValueError, match="chapter 06"):
-        LLMEngine(model, None, num_kv_blocks=8, enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="chapter 06"):
-        minillm.LLM((model, None), num_kv_blocks=8, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="scheduling"):
         LLMEngine(model, None, num_kv_blocks=8, scheduling="round-robin")
     with pytest.raises(ValueError, match="preemption"):

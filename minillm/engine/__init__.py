@@ -1,4 +1,8 @@
-"""The serving engine (chapters 04-05): requests, scheduler, model runner, LLMEngine, LLM.
+"""The serving engine (chapters 04-06): requests, scheduler, model runner, LLMEngine, LLM.
+
+Chapter 06 adds prefix caching (on by default): the block manager becomes
+`cache.prefix.PrefixCachingBlockManager`, the scheduler looks up cached prefixes at admission,
+and the engine registers full blocks after each successful step.
 
     request.py       Request: prompt + outputs, num_computed_tokens chasing num_tokens, states
     scheduler.py     FCFS, token budget, chunked prefill, static vs continuous, preemption

@@ -13,6 +13,11 @@ prompts are unaffected. The same holds for a request that fails while it runs (i
 sampling, stop check or detokenisation raised): finish_reason "error", the reason in `.error`.
 Invalid arguments to `generate` itself (a list of SamplingParams of the wrong length) raise
 ValueError. An interrupted `generate` (Ctrl-C) aborts its own requests before re-raising.
+
+Prefix caching is on by default (as in vLLM) and lives across generate() calls;
+`outs[i].num_cached_tokens` says how many prompt tokens came from the cache. A prompt may be a
+dict {"prompt": text or "prompt_token_ids": ids, "cache_salt": "tenant-a"} (vLLM's form): only
+requests with the same salt share cached prefixes.
 """
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ def _is_token_id(x) -> bool:
 
 
 def as_prompt_list(prompts) -> list:
-    """What `LLM.generate` was given -> a list of prompts (each a string, ids or a tensor)."""
-    if isinstance(prompts, str):
+    """What `LLM.generate` was given -> a list of prompts (each a string, ids, a tensor or a
+    dict with "cache_salt")."""
+    if isinstance(prompts, (str, dict)):
         return [prompts]
     if isinstance(prompts, torch.Tensor) or (hasattr(prompts, "__array__")
                                              and hasattr(prompts, "ndim")):
@@ -64,12 +70,9 @@ class LLM:
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = False, scheduling: str = "continuous",
+                 enable_prefix_caching: bool = True, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
                  device=None, dtype=None, clock=None):
-        if enable_prefix_caching:   # fail before loading anything
-            raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
-                             "does not implement it yet; pass enable_prefix_caching=False")
         if isinstance(model, tuple):
             model, tokenizer = model
         elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
@@ -86,6 +89,7 @@ class LLM:
                                 max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 enable_chunked_prefill=enable_chunked_prefill,
+                                enable_prefix_caching=enable_prefix_caching,
                                 scheduling=scheduling, preemption=preemption, clock=clock)
         self._ids = itertools.count()
 
@@ -93,7 +97,8 @@ class LLM:
                                                        None] = None,
                  use_tqdm: bool = True) -> list:
         """prompts: a string, a list of strings, a list of token ids (one prompt), a list of
-        token-id lists, or a tensor / numpy array of ids (1-D: one prompt; 2-D: one per row).
+        token-id lists, or a tensor / numpy array of ids (1-D: one prompt; 2-D: one per row);
+        a prompt may also be a dict with "prompt" or "prompt_token_ids" and "cache_salt".
         sampling_params: one for all prompts or a list with one per prompt. Returns
         [RequestOutput] in order. If generate is interrupted (Ctrl-C, any exception), it aborts
         its own requests, so the engine holds no blocks for them, and re-raises."""
@@ -113,7 +118,8 @@ class LLM:
                 rid = str(next(self._ids))
                 ids.append(rid)
                 try:
-                    self.engine.add_request(rid, prompt, p)
+                    prompt, salt = split_prompt(prompt)
+                    self.engine.add_request(rid, prompt, p, cache_salt=salt)
                 except Exception as e:                   # this request only, whatever it was
                     msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
                     results[rid] = RequestOutput.failed(rid, prompt, msg)
@@ -135,7 +141,23 @@ class LLM:
                 bar.close()
         return [results[r] for r in ids]
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefixes (e.g. to time a cold start)."""
+        return self.engine.reset_prefix_cache()
+
     def abort(self, request_id: str) -> bool:
         """Abort a request added through `self.engine.add_request` (generate() blocks, so its own
         requests finish before it returns)."""
         return self.engine.abort_request(request_id)
+
+
+def split_prompt(prompt):
+    """vLLM's dict prompt {"prompt" | "prompt_token_ids", "cache_salt"} -> (prompt, cache_salt)."""
+    if not isinstance(prompt, dict):
+        return prompt, None
+    unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+    if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError(f"a dict prompt needs exactly one of 'prompt' or 'prompt_token_ids' and "
+                         f"may add 'cache_salt'; got keys {sorted(prompt)}")
+    text = prompt["prompt"] if "prompt" in prompt else prompt["prompt_token_ids"]
+    return text, prompt.get("cache_salt")

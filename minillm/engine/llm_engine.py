@@ -14,6 +14,11 @@ One `step()` is one iteration of iteration-level scheduling:
      own generator, appends it, and finishes sequences on a stop token, a stop string or
      max_tokens, freeing their blocks at once so the next step can use them.
 
+Prefix caching (chapter 06, on by default as in vLLM): the block manager is a
+`PrefixCachingBlockManager`; the scheduler looks up cached prefixes at admission and, after each
+forward, the engine registers the blocks that became full (`cache_full_blocks`). The cache lives
+as long as the engine. `engine.prefix_cache_stats` counts looked-up and hit prompt tokens.
+
 Bad input raises ValueError from `add_request` (the request is not added; nothing else is
 affected). `LLM.generate` turns that into an output with finish_reason "error".
 
@@ -34,6 +39,7 @@ from typing import Optional
 import torch
 
 from ..cache.blocks import BlockManager, BlockPool
+from ..cache.prefix import PrefixCacheStats, PrefixCachingBlockManager
 from ..generate import Prompt, check_context_room, prompt_token_ids
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
@@ -64,12 +70,9 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, num_cpu_blocks: Optional[int] = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
                  clock=None, max_step_stats: int = 100_000):
-        if enable_prefix_caching:
-            raise ValueError("prefix caching is chapter 06 (minillm.cache.prefix) and this engine "
-                             "does not implement it yet; pass enable_prefix_caching=False")
         if int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model = model.eval()
@@ -91,11 +94,15 @@ class LLMEngine:
                              "(None sizes it like the GPU pool) or use preemption='recompute'")
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
-        self.block_manager = BlockManager(num_kv_blocks, block_size)
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        manager = PrefixCachingBlockManager if self.enable_prefix_caching else BlockManager
+        self.block_manager = manager(num_kv_blocks, block_size)
+        self.prefix_cache_stats = PrefixCacheStats()     # prompt tokens looked up / hit
         self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill, scheduling, preemption,
-                                   cpu_pool=self.cpu_pool, clock=self.clock)
+                                   cpu_pool=self.cpu_pool, clock=self.clock,
+                                   prefix_cache_stats=self.prefix_cache_stats)
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
                                   num_cpu_blocks)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -134,9 +141,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Prompt,
                     params: Optional[SamplingParams] = None,
-                    arrival_time: Optional[float] = None) -> None:
-        """Queue one request. Raises ValueError for bad input; nothing else is affected."""
+                    arrival_time: Optional[float] = None,
+                    cache_salt: Optional[str] = None) -> None:
+        """Queue one request. Raises ValueError for bad input; nothing else is affected.
+        cache_salt: requests share cached prefixes only with requests of the same salt (e.g.
+        one per tenant), which closes the prefix cache's timing side channel between them."""
         params = params if params is not None else SamplingParams()
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string (e.g. a tenant id) or None, "
+                             f"got {cache_salt!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()                        # again: fields may have changed since built
@@ -147,7 +160,8 @@ class LLMEngine:
         gen = None if params.greedy else make_generator(params.seed, self.model.device)
         req = Request(next(self._seq_ids), request_id, ids, params,
                       arrival_time if arrival_time is not None else self.clock(),
-                      next(self._arrivals), gen, prompt=prompt if isinstance(prompt, str) else None)
+                      next(self._arrivals), gen, prompt=prompt if isinstance(prompt, str) else None,
+                      cache_salt=cache_salt)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
 
@@ -226,6 +240,7 @@ class LLMEngine:
         for req, n in sched.scheduled:
             if id(req) not in sampling and not req.is_finished:
                 req.num_computed_tokens += n         # a prefill chunk: its K/V are cached
+                self._cache_full_blocks(req)
 
         rows = []                               # (request, row of logits) per sequence to sample
         for i, req in enumerate(sampling_reqs):
@@ -241,6 +256,7 @@ class LLMEngine:
                 self._fail(req, f"sampling failed: {type(token).__name__}: {token}", finished)
                 continue
             req.num_computed_tokens += n_new[req.seq_id]
+            self._cache_full_blocks(req)
             req.output_token_ids.append(token)
             req.metrics.record_token(now)
             try:
@@ -250,6 +266,14 @@ class LLMEngine:
                 continue
             if reason is not None:
                 self._finish(req, reason, now, finished)
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Prefix caching: the blocks this step filled hold computed K/V now; register them so
+        later requests can share them (never earlier: a failed or preempted step computes
+        nothing, and a cached block must hold what its key says)."""
+        if self.enable_prefix_caching:
+            self.block_manager.cache_full_blocks(req.seq_id, req.num_computed_tokens,
+                                                 req.token_ids, req.cache_salt)
 
     def _forward(self, scheduled: list, finished: list):
         """The step's forward. If the batch raises, run each request alone: the ones that fail
@@ -297,9 +321,10 @@ class LLMEngine:
             gen = None if p.greedy else make_generator(seed, self.model.device)
             child = Request(next(self._seq_ids), parent.request_id, parent.prompt_token_ids, p,
                             parent.metrics.arrival_time, parent.arrival_order, gen,
-                            sample_index=i, prompt=parent.prompt)
+                            sample_index=i, prompt=parent.prompt, cache_salt=parent.cache_salt)
             child.output_token_ids = list(parent.output_token_ids)
             child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.scheduler.add_running(child)
@@ -346,7 +371,8 @@ class LLMEngine:
                                          r.finish_reason, r.metrics, stop))
         first = group[0]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True,
-                             "; ".join(errors) or None)
+                             "; ".join(errors) or None,
+                             num_cached_tokens=first.num_cached_tokens or 0)
 
     # --- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> list:
@@ -356,6 +382,13 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix that no running request holds (vLLM's reset_prefix_cache).
+        Returns how many blocks were dropped (0 with prefix caching off)."""
+        if not self.enable_prefix_caching:
+            return 0
+        return self.block_manager.reset_prefix_cache()
 
 
 __all__ = ["LLMEngine", "StepStats"]

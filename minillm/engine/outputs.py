@@ -34,6 +34,7 @@ class RequestOutput:
     outputs: list = field(default_factory=list)   # [CompletionOutput], one per sample
     finished: bool = True
     error: Optional[str] = None         # set when finish_reason == "error"
+    num_cached_tokens: int = 0          # prompt tokens served from the prefix cache (chapter 06)
 
     @property
     def text(self) -> str:

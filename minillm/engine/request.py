@@ -42,7 +42,7 @@ class Request:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float, arrival_order: int,
                  generator: Optional[torch.Generator] = None, sample_index: int = 0,
-                 prompt: Optional[str] = None):
+                 prompt: Optional[str] = None, cache_salt: Optional[str] = None):
         self.seq_id = seq_id                       # key in the BlockManager, unique per sequence
         self.request_id = request_id               # the caller's id, shared by the n samples
         self.sample_index = sample_index
@@ -60,6 +60,8 @@ class Request:
         self.arrival_order = arrival_order         # FCFS priority (lower = older)
         self.forked = sample_index > 0 or params.n == 1
         self.swapped_blocks: list = []             # CPU block ids while SWAPPED
+        self.cache_salt = cache_salt               # prefix-cache namespace (chapter 06)
+        self.num_cached_tokens: Optional[int] = None   # prompt tokens hit at first admission
         self.metrics = RequestMetrics(arrival_time=arrival_time,
                                       num_prompt_tokens=len(self.prompt_token_ids),
                                       sample_index=sample_index)

@@ -29,6 +29,13 @@ Scheduling "continuous" (iteration-level, Orca) admits new requests at every ste
 forms a batch of up to max_num_seqs requests and admits nobody else until the whole batch has
 finished: the head-of-line blocking chapter 04 measures.
 
+With prefix caching (chapter 06) the block manager is a `PrefixCachingBlockManager`: admitting
+a request that holds no blocks first looks up the longest cached prefix of its tokens, starts
+its num_computed_tokens after it, and counts the hit blocks against the pool (a hit on a free
+cached block takes it out of the free queue). The engine registers newly computed full blocks
+after each forward; a request whose next block is being computed by a running request right now
+waits for it (like a request that does not fit) rather than compute the same prefix twice.
+
 The scheduler only plans: it returns the (request, num_new_tokens) pairs plus the block copies
 the model runner must do before the forward pass, in this order: swap out, swap in, copy.
 """
@@ -66,7 +73,7 @@ class Scheduler:
     def __init__(self, block_manager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
-                 cpu_pool=None, clock=None):
+                 cpu_pool=None, clock=None, prefix_cache_stats=None):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
         if preemption not in ("recompute", "swap"):
@@ -88,6 +95,9 @@ class Scheduler:
         self.preemption = preemption
         self.cpu_pool = cpu_pool
         self.clock = clock
+        # prefix caching is on when the block manager can look up cached blocks (chapter 06)
+        self.enable_prefix_caching = hasattr(block_manager, "find_cached_blocks")
+        self.prefix_cache_stats = prefix_cache_stats
         self.waiting: list = []      # sorted by arrival: preempted (older) ones first
         self.running: list = []      # sorted by arrival
         self.swapped: list = []      # sorted by arrival
@@ -221,6 +231,40 @@ class Scheduler:
         heads = [q[0] for q in (self.swapped, self.waiting) if q]
         return min(heads, key=lambda r: r.sort_key) if heads else None
 
+    # --- prefix caching (chapter 06) ----------------------------------------------------------
+    def _lookup(self, req: Request) -> list:
+        """For a waiting request: the block ids of its longest cached prefix ([] if none or if
+        prefix caching is off); its num_computed_tokens starts after them."""
+        if not self.enable_prefix_caching or req.status == RequestStatus.SWAPPED:
+            return []
+        hits = self.bm.find_cached_blocks(req.token_ids(0, req.num_tokens), req.cache_salt)
+        req.num_computed_tokens = len(hits) * self.block_size
+        return hits
+
+    def _prefix_in_flight(self, req: Request, hits: list) -> bool:
+        """The block after req's hit is being computed right now by a running request: wait
+        for it (a step or two) instead of computing the same prefix twice in parallel."""
+        if not self.enable_prefix_caching or req.status == RequestStatus.SWAPPED:
+            return False
+        return self.bm.is_computing(req.token_ids(0, req.num_tokens), hits, req.cache_salt)
+
+    def _can_allocate(self, req: Request, num_tokens: int, hits: list) -> bool:
+        if hits:        # the hit blocks that sit in the free queue count too
+            return self.bm.can_allocate(req.seq_id, num_tokens, hits)
+        return self.bm.can_allocate(req.seq_id, num_tokens)
+
+    def _allocate(self, req: Request, num_tokens: int, hits: list) -> list:
+        if hits:        # the table starts on the shared blocks, which are never written
+            return self.bm.allocate(req.seq_id, num_tokens, hits)
+        return self.bm.allocate(req.seq_id, num_tokens)
+
+    def _record_hit(self, req: Request) -> None:
+        """Count the prompt's lookup once, at the request's first admission (vLLM's stats)."""
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = req.num_computed_tokens
+            if self.prefix_cache_stats is not None and self.enable_prefix_caching:
+                self.prefix_cache_stats.record(req.num_prompt_tokens, req.num_cached_tokens)
+
     def _admit(self, out: SchedulerOutput) -> None:
         if self.scheduling == "static":
             busy = any(r.request_id in self.static_batch
@@ -240,12 +284,13 @@ class Scheduler:
                 return
             if self.num_running_slots + req.slots > self.max_num_seqs:
                 return
+            hits = self._lookup(req)                      # [] unless a cached prefix is found
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             n = self._chunk(req, budget) if budget > 0 else 0
-            if n == 0:
-                return
             need = req.num_computed_tokens + n
-            if not self.bm.can_allocate(req.seq_id, need):
+            if (n == 0 or not self._can_allocate(req, need, hits)
+                    or self._prefix_in_flight(req, hits)):
+                req.num_computed_tokens -= len(hits) * self.block_size   # looked up again later
                 return
             if req.status == RequestStatus.SWAPPED:
                 self.swapped.remove(req)
@@ -255,7 +300,10 @@ class Scheduler:
                 self._free_cpu(req)   # the swap-in copy runs before anything reuses these
             else:
                 self.waiting.remove(req)
-            out.copies[req.seq_id] = self.bm.allocate(req.seq_id, need)
+                self._record_hit(req)
+            out.copies[req.seq_id] = self._allocate(req, need, hits)
+            if self.enable_prefix_caching and req.status != RequestStatus.SWAPPED:
+                self.bm.mark_pending(req.seq_id, req.token_ids(0, req.num_tokens), req.cache_salt)
             out.scheduled.append((req, n))
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)

@@ -1,0 +1,356 @@
+"""Prefix caching on the block pool (chapter 06): hash-chained FULL blocks, LRU free queue.
+
+A request whose prompt starts with tokens some earlier request already computed (a shared
+system prompt, the earlier turns of a chat) can reuse their keys and values instead of
+recomputing them. Chapter 03's block pool makes that cheap: keep freed blocks' contents, give
+every full block a key that names the exact prefix it ends, and let a new request's block table
+point at blocks with matching keys.
+
+    tokens      | The cap ital of Fr| ance is Paris . | Its popul ation |      (block_size 4)
+    block key    k0 = H(salt, t0..3)  k1 = H(k0, t4..7)  (partial: no key)
+
+* Only FULL blocks get a key. A token's K/V depends on every token before it, so a block's key
+  must name its whole prefix: it chains the parent block's key with the block's own token ids
+  (`hash_block_tokens`). Equal keys mean equal prefixes; a partly filled block is still being
+  written and is never shared.
+* A hash can collide, so a hit is also checked: the cached block stores its token ids and a
+  reference to its parent's entry, and `find_cached_blocks` accepts a block only when both match
+  what the request holds. By induction from the first block a hit is then the exact prefix.
+* Freed blocks keep their contents and key. They go to the tail of a least-recently-used free
+  queue (a request frees its table tail first, so its deepest blocks sit nearest the head and are
+  evicted first); blocks with no key go to the head, they are worth nothing. A hit on a free
+  cached block takes it back out of the queue (O(1): the queue is an OrderedDict). Allocation
+  takes the head: the least recently used block, whose key is dropped (eviction).
+* A hit never covers the whole prompt: at least the last token is computed, so its logits exist
+  even when the prompt is an exact multiple of the block size.
+* Prefix caching is not copy-on-write. A block shared by a hit is full and nobody writes into it
+  again; the request's own writes start in a block of its own. Copy-on-write stays what chapter
+  03 made it: forks of ONE request (n > 1) that share a partly filled last block.
+* `cache_salt` (any string, e.g. a tenant id) is mixed into the first block's key, so requests
+  with different salts never share: the defence against the timing side channel of chapter 06.
+
+Names follow vLLM v1 (block_pool.py, kv_cache_manager.py, `hash_block_tokens`,
+`find_longest_cache_hit`); the code is our own.
+"""
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import xxhash
+
+from .blocks import BlockManager, BlockPool
+
+
+def hash_block_tokens(parent_key: Optional[int], token_ids, cache_salt: Optional[str] = None) -> int:
+    """The key of a full block: xxh3-64 of (parent key, salt, this block's token ids).
+
+    parent_key is None for a sequence's first block; the salt only enters there (the chain
+    carries it to every later block)."""
+    h = xxhash.xxh3_64()
+    if parent_key is None:
+        h.update(b"root")
+        if cache_salt is not None:
+            h.update(cache_salt.encode("utf-8"))
+    else:
+        h.update(parent_key.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return h.intdigest()
+
+
+@dataclass(eq=False)
+class CachedBlock:
+    """What the cache knows about one full block: its key, the exact tokens it holds, and the
+    entry of the block before it (None for a first block)."""
+    key: int
+    token_ids: tuple
+    parent: Optional["CachedBlock"]
+    cache_salt: Optional[str]
+    block_id: int
+
+    def matches(self, token_ids, parent: Optional["CachedBlock"], cache_salt) -> bool:
+        return (self.parent is parent and self.token_ids == tuple(token_ids)
+                and (parent is not None or self.cache_salt == cache_salt))
+
+
+class PrefixCachingBlockPool(BlockPool):
+    """A BlockPool whose free blocks keep their cached contents until they are reused.
+
+    free_blocks is an OrderedDict used as a queue: head = next to be taken. Every block with
+    refcount 0 is in it exactly once; a block in it that has a key is "cached, evictable".
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.free_blocks = OrderedDict((b, None) for b in range(num_blocks))
+        self.cached: dict = {}                          # key -> CachedBlock
+        self.block_entry: list = [None] * num_blocks    # block id -> its CachedBlock or None
+        self.num_evictions = 0
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return sum(self.block_entry[b] is not None for b in self.free_blocks)
+
+    def allocate(self) -> int:
+        """Take the least recently used free block; if it held a cached prefix, forget it."""
+        if not self.free_blocks:
+            raise ValueError(f"out of KV blocks: all {self.num_blocks} blocks are in use; free or "
+                             "preempt a sequence, or create the pool with more blocks")
+        block_id, _ = self.free_blocks.popitem(last=False)
+        self._drop_key(block_id)
+        self.refcounts[block_id] = 1
+        return block_id
+
+    def _drop_key(self, block_id: int) -> None:
+        entry = self.block_entry[block_id]
+        if entry is not None:
+            del self.cached[entry.key]
+            self.block_entry[block_id] = None
+            self.num_evictions += 1
+
+    def touch(self, block_id: int) -> None:
+        """A prefix hit takes a reference: a free cached block comes back out of the queue."""
+        self._check(block_id)
+        if self.refcounts[block_id] == 0:
+            del self.free_blocks[block_id]              # O(1)
+        self.refcounts[block_id] += 1
+
+    def decref(self, block_id: int) -> None:
+        self._check(block_id)
+        if self.refcounts[block_id] == 0:
+            raise ValueError(f"block {block_id} is already free (double free?)")
+        self.refcounts[block_id] -= 1
+        if self.refcounts[block_id] == 0:
+            self.free_blocks[block_id] = None           # tail: most recently used
+            if self.block_entry[block_id] is None:      # nothing worth keeping: reuse it first
+                self.free_blocks.move_to_end(block_id, last=False)
+
+    def get_cached_block(self, key: int) -> Optional[CachedBlock]:
+        return self.cached.get(key)
+
+    def cache_block(self, block_id: int, token_ids, parent: Optional[CachedBlock],
+                    cache_salt: Optional[str]) -> Optional[CachedBlock]:
+        """Register a full, computed block under its chained key. Returns the entry that now
+        names this prefix: the new one, or an equal one another block already holds (then this
+        block stays a private duplicate), or None when a different prefix owns the key (a hash
+        collision: the block is simply not cached)."""
+        self._check(block_id)
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"only full blocks are cached: block {block_id} got {len(token_ids)} "
+                             f"tokens, block_size is {self.block_size}")
+        key = hash_block_tokens(None if parent is None else parent.key, token_ids, cache_salt)
+        old = self.cached.get(key)
+        if old is not None:
+            return old if old.matches(token_ids, parent, cache_salt) else None
+        if self.block_entry[block_id] is not None:
+            raise ValueError(f"block {block_id} already holds a cached prefix; a full block is "
+                             "cached once")
+        entry = CachedBlock(key, tuple(token_ids), parent, cache_salt, block_id)
+        self.cached[key] = entry
+        self.block_entry[block_id] = entry
+        return entry
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix held by a free block (in-use blocks keep theirs: their
+        requests still read them). Returns how many were dropped."""
+        dropped = [b for b in self.free_blocks if self.block_entry[b] is not None]
+        for b in dropped:
+            entry = self.block_entry[b]
+            del self.cached[entry.key]
+            self.block_entry[b] = None
+            self.free_blocks.move_to_end(b, last=False)
+        return len(dropped)
+
+
+def num_cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks a hit may cover for a sequence of num_tokens tokens: full
+    blocks only, and never the last token (it must be computed to get its logits)."""
+    return max(0, num_tokens - 1) // block_size
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up (queries) and found (hits), counted in tokens, as vLLM does."""
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def record(self, num_tokens: int, num_cached_tokens: int) -> None:
+        self.requests += 1
+        self.queries += num_tokens
+        self.hits += num_cached_tokens
+
+
+class PrefixCachingBlockManager(BlockManager):
+    """Chapter 03's BlockManager over a PrefixCachingBlockPool.
+
+    The scheduler's calls stay the same (`can_allocate`, `allocate`, `fork`, `free`); admission
+    adds one lookup:
+
+        hits = bm.find_cached_blocks(token_ids, cache_salt)    # longest cached prefix, in blocks
+        if bm.can_allocate(seq_id, num_tokens, hits):
+            bm.allocate(seq_id, num_tokens, hits)               # table = hits + fresh blocks
+        ...                                                     # compute from len(hits) * block_size
+        bm.cache_full_blocks(seq_id, num_computed, get_tokens, cache_salt)   # after the forward
+
+    Blocks are registered after their K/V is computed, never before, so no request can hit a
+    block whose contents are not there yet (its owner might still be preempted in this step).
+    So that two requests with the same prefix do not both compute it, the blocks a running
+    sequence is computing are listed by key (`mark_pending`); a newcomer whose next block is
+    among them waits (`is_computing`) and hits once the block is cached.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size)
+        self.pool = PrefixCachingBlockPool(num_blocks, block_size)
+        self.entries: dict = {}          # seq_id -> [CachedBlock] naming its leading full blocks
+        self.chain_broken: set = set()   # seq_ids whose next block cannot be cached (collision)
+        self.pending: dict = {}          # key of a full block being computed now -> seq_id
+        self.pending_by_seq: dict = {}   # seq_id -> [(block index, key)] it has yet to compute
+
+    # --- lookup --------------------------------------------------------------------------------
+    def find_cached_blocks(self, token_ids, cache_salt: Optional[str] = None) -> list[int]:
+        """Block ids of the longest cached prefix of token_ids (full blocks, last token never)."""
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+        bs, parent, hits = self.block_size, None, []
+        for i in range(num_cacheable_blocks(len(token_ids), bs)):
+            block = token_ids[i * bs:(i + 1) * bs]
+            entry = self.pool.get_cached_block(
+                hash_block_tokens(None if parent is None else parent.key, block, cache_salt))
+            if entry is None or not entry.matches(block, parent, cache_salt):
+                break
+            hits.append(entry.block_id)
+            parent = entry
+        return hits
+
+    def is_computing(self, token_ids, hits, cache_salt: Optional[str] = None) -> bool:
+        """Is the block right after the hit (a full block, not the last token's) being computed
+        by a running sequence at this moment? Then waiting a step or two turns it into a hit
+        instead of computing the same prefix twice."""
+        i = len(hits)
+        if i >= num_cacheable_blocks(len(token_ids), self.block_size) or not self.pending:
+            return False
+        parent = self.pool.block_entry[hits[-1]] if hits else None
+        bs = self.block_size
+        key = hash_block_tokens(None if parent is None else parent.key,
+                                token_ids[i * bs:(i + 1) * bs], cache_salt)
+        return key in self.pending
+
+    def mark_pending(self, seq_id, token_ids, cache_salt: Optional[str] = None) -> None:
+        """After admission: the keys of the full blocks of token_ids that seq_id will compute
+        (after its hit), so `is_computing` can tell a newcomer with the same prefix to wait."""
+        bs, entries = self.block_size, self.entries.get(seq_id, [])
+        parent_key = entries[-1].key if entries else None
+        todo = []
+        for i in range(len(entries), len(token_ids) // bs):
+            parent_key = hash_block_tokens(parent_key, token_ids[i * bs:(i + 1) * bs], cache_salt)
+            todo.append((i, parent_key))
+            self.pending.setdefault(parent_key, seq_id)
+        self._clear_pending(seq_id)
+        self.pending_by_seq[seq_id] = todo
+
+    def _clear_pending(self, seq_id, below: Optional[int] = None) -> None:
+        """Forget seq_id's pending keys (those of blocks with index < below, or all)."""
+        todo = self.pending_by_seq.get(seq_id)
+        while todo and (below is None or todo[0][0] < below):
+            _, key = todo.pop(0)
+            if self.pending.get(key) == seq_id:
+                del self.pending[key]
+        if not todo:
+            self.pending_by_seq.pop(seq_id, None)
+
+    # --- allocation ------------------------------------------------------------------------------
+    def blocks_needed(self, seq_id, num_tokens: int, cached_blocks=()) -> int:
+        """Free-queue blocks that growing seq_id to num_tokens would take. A new sequence that
+        starts on cached_blocks needs fresh blocks only after them, but each hit block that is
+        free still leaves the free queue."""
+        if not cached_blocks:
+            return super().blocks_needed(seq_id, num_tokens)
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table; prefix hits are for "
+                             "a new sequence")
+        if len(cached_blocks) * self.block_size >= num_tokens:
+            raise ValueError(f"{len(cached_blocks)} cached blocks already hold {num_tokens} tokens; "
+                             "a hit leaves at least one token to compute (see find_cached_blocks)")
+        fresh = max(0, -(-num_tokens // self.block_size) - len(cached_blocks))
+        revived = sum(self.pool.refcount(b) == 0 for b in cached_blocks)
+        return fresh + revived
+
+    def can_allocate(self, seq_id, num_tokens: int, cached_blocks=()) -> bool:
+        return self.blocks_needed(seq_id, num_tokens, cached_blocks) <= self.pool.num_free_blocks
+
+    def allocate(self, seq_id, num_tokens: int, cached_blocks=()) -> list[tuple[int, int]]:
+        """Grow seq_id to num_tokens. A new sequence may start on cached_blocks (from
+        find_cached_blocks): they are shared by reference and never written."""
+        if cached_blocks:
+            need = self.blocks_needed(seq_id, num_tokens, cached_blocks)
+            if need > self.pool.num_free_blocks:
+                raise ValueError(f"out of KV blocks: sequence {seq_id!r} needs {need} more, "
+                                 f"{self.pool.num_free_blocks} free; check can_allocate first")
+            for b in cached_blocks:
+                self.pool.touch(b)
+            self.tables[seq_id] = list(cached_blocks)
+            self.lengths[seq_id] = len(cached_blocks) * self.block_size
+            self.entries[seq_id] = [self.pool.block_entry[b] for b in cached_blocks]
+        table, n = self.tables.get(seq_id, []), self.lengths.get(seq_id, 0)
+        if num_tokens > n and n % self.block_size:          # writes go into the last block
+            assert self.pool.block_entry[table[-1]] is None, "a cached (full) block is never written"
+        return super().allocate(seq_id, num_tokens)
+
+    def cache_full_blocks(self, seq_id, num_computed_tokens: int,
+                          token_ids: Callable[[int, int], list],
+                          cache_salt: Optional[str] = None) -> int:
+        """After a forward: register seq_id's blocks that are now full and computed.
+        token_ids(start, end) returns the sequence's tokens; cache_salt must be the one its
+        lookup used. Returns how many blocks were added to the cache."""
+        entries = self.entries.setdefault(seq_id, [])
+        table, bs = self._table(seq_id), self.block_size
+        full = min(num_computed_tokens, self.lengths[seq_id]) // bs
+        added = 0
+        while len(entries) < full and seq_id not in self.chain_broken:
+            i = len(entries)
+            parent = entries[-1] if entries else None
+            entry = self.pool.cache_block(table[i], token_ids(i * bs, (i + 1) * bs), parent,
+                                          cache_salt)
+            if entry is None:                               # collision: stop caching this one
+                self.chain_broken.add(seq_id)
+                break
+            entries.append(entry)
+            added += entry.block_id == table[i]
+        self._clear_pending(seq_id, None if seq_id in self.chain_broken else len(entries))
+        return added
+
+    def fork(self, parent_id, child_id) -> None:
+        super().fork(parent_id, child_id)
+        self.entries[child_id] = list(self.entries.get(parent_id, []))
+        if parent_id in self.chain_broken:
+            self.chain_broken.add(child_id)
+
+    def free(self, seq_id) -> None:
+        super().free(seq_id)                                 # tail first: deepest evicted first
+        self.entries.pop(seq_id, None)
+        self._clear_pending(seq_id)
+        self.chain_broken.discard(seq_id)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached_blocks
+
+
+__all__ = ["hash_block_tokens", "CachedBlock", "PrefixCachingBlockPool",
+           "PrefixCachingBlockManager", "PrefixCacheStats", "num_cacheable_blocks"]
