@@ -362,7 +362,7 @@ def test_waiting_queue_bound_gives_429_not_unbounded_queueing(model, tok):
         rs = asyncio.run(asyncio.wait_for(burst(), 90))
         codes = [r.status_code for r in rs]
         assert set(codes) <= {200, 429}
-        assert codes.count(429) >= 1 and codes.count(200) >= 3
+        assert codes.count(429) >= 1 and codes.count(200) >= 2      # at least max_waiting in
         for r in rs:
             if r.status_code == 429:
                 assert r.json()["error"]["type"] == "rate_limit_error"

@@ -25,6 +25,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--no-chunked-prefill", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for a slot; more get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -44,7 +45,8 @@ def run(args) -> int:
     engine = LLMEngine(model, tok, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                        max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens,
-                       enable_chunked_prefill=not args.no_chunked_prefill)
+                       enable_chunked_prefill=not args.no_chunked_prefill,
+                       enable_prefix_caching=not args.no_prefix_caching)
     run_server(engine, args.served_model_name or args.model, sock, max_waiting=args.max_waiting,
                drain_timeout=args.drain_timeout, log_level=args.log_level)
     return 0

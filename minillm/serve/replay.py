@@ -78,7 +78,7 @@ def measure_step_cost(model, shapes=((1, 256), (4, 64), (16, 8)), decode_steps: 
         for num_seqs, prompt_len in shapes:
             per_seq = -(-(prompt_len + decode_steps + 1) // 16)
             engine = LLMEngine(model, None, num_kv_blocks=num_seqs * per_seq + 1, block_size=16,
-                               max_num_seqs=num_seqs,
+                               max_num_seqs=num_seqs, enable_prefix_caching=False,
                                max_num_batched_tokens=max(num_seqs * prompt_len, 16))
             g = torch.Generator().manual_seed(prompt_len)
             for i in range(num_seqs):
@@ -152,10 +152,14 @@ def poisson_trace(prompts: Sequence[list], max_tokens: Sequence[int], rate: floa
 def replay(model, trace: Sequence[TraceRequest], cost: StepCost, tokenizer=None,
            admit: Optional[Callable[[int, int], bool]] = None, **engine_kwargs) -> ReplayResult:
     """Run `trace` through a fresh LLMEngine whose clock is virtual: a step's duration is
-    cost(batched tokens, sequences). Greedy, EOS ignored (outputs have exactly max_tokens).
+    cost(batched tokens, sequences). Greedy, EOS ignored (outputs have exactly max_tokens);
+    prefix caching off unless enable_prefix_caching=True is passed.
     admit(num_waiting, num_running) -> bool, if given, decides at each arrival whether the
     request enters (a server would answer 429 otherwise)."""
     clock = VirtualClock()
+    # trace prompts are stand-in token ids (often all alike): sharing them through the prefix
+    # cache would measure the cache, not the load, so it is off unless asked for
+    engine_kwargs.setdefault("enable_prefix_caching", False)
     engine = LLMEngine(model, tokenizer, clock=clock, **engine_kwargs)
     run = engine.runner.run
 
