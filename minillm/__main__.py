@@ -1,4 +1,5 @@
-"""Command line: `python -m minillm generate "prompt" [--model M] [--max-tokens N] [--temperature T]`.
+"""Command line: `python -m minillm generate "prompt" [--model M] [--max-tokens N] [--temperature T]`
+and `python -m minillm serve [--model M] [--port P]` (the chapter-08 server, minillm.serve.cli).
 
 Streams the reply token by token. Instruct models (a tokenizer with a chat template) get the prompt
 wrapped as a user turn; `--raw` sends the text as it is.
@@ -69,8 +70,12 @@ def main(argv=None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default=None)
     g.add_argument("--raw", action="store_true", help="no chat template")
+    from .serve import cli as serve_cli                   # chapter 08; imports no web framework
+    serve_cli.add_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return serve_cli.run(args)
         return cmd_generate(args)
     except KeyboardInterrupt:                  # Ctrl-C: stop quietly, as shells expect
         print(file=sys.stderr)
