@@ -65,7 +65,10 @@ def test_tiny_temperature_is_greedy_not_a_crash():
 
 
 def _start_endless():
-    proc = subprocess.Popen(CMD + ENDLESS, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # SIGINT at its default, as under a terminal: a test run started in the background of a
+    # non-interactive shell inherits it as ignored, and Ctrl-C could not reach the command
+    proc = subprocess.Popen(CMD + ENDLESS, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     ready, _, _ = select.select([proc.stdout], [], [], 120)     # wait for the first text
     if not ready:
         proc.kill()

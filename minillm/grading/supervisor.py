@@ -298,6 +298,11 @@ def supervise(cfg: dict, report) -> dict:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # A cell past its time limit is interrupted with SIGINT. A batch started in the background
+    # of a non-interactive shell (or under nohup) inherits SIGINT as ignored, and so would every
+    # kernel, which would then never stop: catching it here lets the processes below start with
+    # the default disposition again (a caught signal is reset to the default across exec).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     # Run as a script, this file's folder comes first on sys.path; its modules (core.py,
     # testing.py, ...) must not shadow those nbclient and its dependencies import.
     here = os.path.dirname(os.path.abspath(__file__))
