@@ -136,7 +136,9 @@ def to_hf_config(cfg: ModelConfig):
               head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
               rms_norm_eps=cfg.rms_norm_eps, tie_word_embeddings=cfg.tie_word_embeddings,
               bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
-              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling)
+              # a copy: transformers edits the dict it is given, and the preset's must not change
+              rope_theta=cfg.rope_theta,
+              rope_scaling=dict(cfg.rope_scaling) if cfg.rope_scaling else None)
     if cfg.arch == "llama":
         kw["attention_bias"] = cfg.attention_bias
     if cfg.arch == "mistral":

@@ -164,3 +164,16 @@ def test_custom_config_needs_no_preset():
                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                       max_position_embeddings=128)
     assert cfg.attention == "gqa" and cfg.gqa_group == 2
+
+
+def test_building_transformers_configs_leaves_the_presets_unchanged():
+    # transformers edits the rope_scaling dict it is handed; a preset's own dict must not change,
+    # or every later use of the preset (kvmath, graders replaying a learner's answers) sees it
+    import copy
+    from minillm.loader import to_hf_config
+    cfgs = [c for c in configs.all_configs() if c.rope_scaling and c.kv_lora_rank == 0]
+    assert cfgs
+    before = {c.name: copy.deepcopy(c.rope_scaling) for c in cfgs}
+    for c in cfgs:
+        to_hf_config(c)
+    assert {c.name: c.rope_scaling for c in cfgs} == before
