@@ -12,15 +12,18 @@ its output length. The same requests, the same weights, greedy decoding, through
                    `model.generate_batch`), each request with its own max_new_tokens
     minillm        minillm.LLM, continuous scheduling, chunked prefill, paged KV cache
     minillm_static minillm.LLM with scheduling="static" (same engine, batch-at-a-time)
+    minillm_nn_linear  minillm continuous with every product through nn.Linear's own GEMM
+                   (`minillm.model.Linear.SKINNY_ROWS` off): how much of minillm's lead is
+                   the scheduler and how much the CPU's skinny-GEMM orientation
 
 Output tokens/s = requested output tokens / wall time of the whole run (after one warm-up).
 
-    python benchmarks/bench_engine.py                  # CPU: bundled SmolLM2, N=8, lengths 16..64,
-                                                       # 4 sequences at a time
+    python benchmarks/bench_engine.py                  # CPU: bundled SmolLM2, N=16, lengths
+                                                       # 32..128, 4 sequences at a time
     python benchmarks/bench_engine.py --device cuda    # GPU: random-weight SmolLM2-135M and
                                                        # Llama-3.2-1B shapes, N=256, 100..1024
 
-Writes benchmarks/results/engine_<device>_<date>.json (device, date, versions, command, the
+Writes benchmarks/results/engine_<device>_<date>-<HHMM>.json (device, date, versions, command, the
 workload, one row per model and system) and a PNG bar chart with the same name. CPU numbers are
 CPU numbers: they say how the systems compare on this machine, nothing about a GPU.
 """
@@ -45,10 +48,10 @@ from minillm import SamplingParams, configs  # noqa: E402
 from minillm.loader import random_model, to_hf_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static")
+SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear")
 DEFAULTS = {   # device -> workload and engine limits
-    "cpu": dict(models=["smollm2-135m"], weights="pretrained", num_requests=8, min_len=16,
-                max_len=64, max_num_seqs=4, max_num_batched_tokens=512),
+    "cpu": dict(models=["smollm2-135m"], weights="pretrained", num_requests=16, min_len=32,
+                max_len=128, max_num_seqs=4, max_num_batched_tokens=512),
     "cuda": dict(models=["smollm2-135m", "llama-3.2-1b"], weights="random", num_requests=256,
                  min_len=100, max_len=1024, max_num_seqs=256, max_num_batched_tokens=16384),
 }
@@ -183,10 +186,20 @@ def run_minillm(mini, prompts, outputs, args, scheduling="continuous"):
         "mean_ttft_s": sum(o.metrics.ttft for o in outs) / len(outs)}
 
 
+def run_minillm_nn_linear(mini, prompts, outputs, args):
+    from minillm.model import Linear
+    saved, Linear.SKINNY_ROWS = Linear.SKINNY_ROWS, range(0)
+    try:
+        return run_minillm(mini, prompts, outputs, args)
+    finally:
+        Linear.SKINNY_ROWS = saved
+
+
 RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
            "hf_continuous": lambda m, h, p, o, a: run_hf_continuous(h, p, o, a),
            "minillm": lambda m, h, p, o, a: run_minillm(m, p, o, a),
-           "minillm_static": lambda m, h, p, o, a: run_minillm(m, p, o, a, "static")}
+           "minillm_static": lambda m, h, p, o, a: run_minillm(m, p, o, a, "static"),
+           "minillm_nn_linear": lambda m, h, p, o, a: run_minillm_nn_linear(m, p, o, a)}
 
 
 def timed(system, mini, hf, prompts, outputs, args):
@@ -298,7 +311,7 @@ def main(argv=None):
         print("minillm continuous vs " + ", ".join(
             f"{s}: {x:.2f}x" for s, x in record["minillm_speedup_vs"].items()))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"engine_{args.device}_{now.strftime('%Y%m%d')}"
+    stem = f"engine_{args.device}_{now.strftime('%Y%m%d-%H%M')}"
     path = args.out_dir / f"{stem}.json"
     path.write_text(json.dumps(record, indent=1))
     plot(record, args.out_dir / f"{stem}.png")
@@ -316,16 +329,22 @@ def plot(record, path):
     fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(models) * len(systems) / 2, 3.6))
     width = 0.8 / max(1, len(systems))
     for j, s in enumerate(systems):
-        xs, ys = [], []
+        xs, ys, err = [], [], [[], []]
         for i, m in enumerate(models):
             hit = [r for r in rows if r["model"] == m and r["system"] == s]
             if hit:
+                r = hit[0]
                 xs.append(i + j * width)
-                ys.append(hit[0]["output_tokens_per_s"])
-        bars = ax.bar(xs, ys, width, label=s)
-        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+                ys.append(r["output_tokens_per_s"])
+                rates = [r["output_tokens"] / t for t in r.get("seconds_all", [r["seconds"]])]
+                err[0].append(ys[-1] - min(rates))          # the bar is the median run,
+                err[1].append(max(rates) - ys[-1])          # the whisker the slowest..fastest
+        bars = ax.bar(xs, ys, width, label=s, yerr=err, capsize=3)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8, padding=6)
+    ax.margins(y=0.15)
     ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(models))], models)
-    ax.set_ylabel("output tokens / s")
+    ax.set_ylabel("output tokens / s\n(median; whiskers: slowest..fastest run)"
+                  if record.get("repeats", 1) > 1 else "output tokens / s")
     w = record["workload"]
     ax.set_title(f"{record['device_name']}, {record['dtype']}: {w['num_requests']} requests, "
                  f"lengths {w['min_len']}..{w['max_len']}", fontsize=9)

@@ -94,16 +94,41 @@ def causal_attention(q, k, v, q_start: int = 0):
     return out.to(q.dtype)
 
 
+class Linear(nn.Linear):
+    """nn.Linear that, on a CPU, computes a 2-4 row product as (W @ x^T)^T.
+
+    A decode step multiplies a handful of rows (one per running sequence) by each weight. For
+    2-4 rows PyTorch's CPU GEMM took a path 1.3-8x slower than the same product written the
+    other way round, W [N, K] @ x^T [K, M], on the course's 2-core CPU; 1 row (a matrix-vector
+    product) and many rows were as fast either way (benchmarks/bench_skinny_gemm.py measures a
+    machine). Same numbers up to float rounding (tests/test_model.py checks); parameters and
+    state-dict names are nn.Linear's. A GPU always takes F.linear.
+    """
+
+    SKINNY_ROWS = range(2, 5)                                # set to range(0) to turn it off
+
+    def forward(self, x):                                    # x [..., K] -> [..., N]
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if x.device.type != "cpu" or rows not in self.SKINNY_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        flat = x.reshape(rows, x.shape[-1])                  # [M, K]
+        if self.bias is None:
+            out = torch.mm(self.weight, flat.t())            # [N, M]
+        else:
+            out = torch.addmm(self.bias[:, None], self.weight, flat.t())
+        return out.t().contiguous().view(*x.shape[:-1], self.out_features)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache=None):              # x [B, T, C]
         B, T, _ = x.shape
@@ -121,9 +146,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):                                    # SwiGLU
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -155,7 +180,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

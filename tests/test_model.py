@@ -47,6 +47,42 @@ def test_bundled_batched_logits_match_transformers(bundled, hf_bundled):
     assert diff <= TOL
 
 
+@pytest.mark.parametrize("shape", [(4, 1), (2, 1), (1, 3), (1, 4)])
+def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
+    # 2-4 rows take minillm.model.Linear's transposed product (a decode step's shape).
+    model, _ = bundled
+    ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (model(ids) - hf_bundled(ids).logits).abs().max().item()
+    assert diff <= TOL
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (1, 4), (2, 2), (4, 1), (0,)])
+def test_linear_orientation_matches_f_linear(bias, lead):
+    torch.manual_seed(0)
+    layer = minillm.model.Linear(24, 40, bias=bias)
+    x = torch.randn(*lead, 24)
+    out = layer(x)
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert out.shape == ref.shape == (*lead, 40)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_linear_takes_the_transposed_product_only_for_skinny_inputs(monkeypatch):
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(tuple(b.shape)) or real_mm(a, b))
+    layer = minillm.model.Linear(8, 16, bias=False)
+    for rows in (1, 2, 4, 5, 64):
+        layer(torch.randn(rows, 8))
+    assert calls == [(8, 2), (8, 4)]
+    monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
+    layer(torch.randn(4, 8))
+    assert calls == [(8, 2), (8, 4)]
+
+
 def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundled):
     model, tok = bundled
     for prompt in PROMPTS[:2]:
