@@ -114,6 +114,22 @@ def test_completion_stream_equals_nonstream(client, tok, prompt, max_tokens):
         assert full.usage.completion_tokens == max_tokens
 
 
+def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client, tok):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI's API names it: 0 the first time a
+    long prompt is seen, whole 16-token blocks of it the second time, streamed or not."""
+    prompt = " ".join(f"item {i} of a list that is long enough to fill several blocks" for i in range(8))
+    n_prompt = len(tok.encode(prompt))
+    assert n_prompt > 64
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    first = client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.completions.create(**kw)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached % 16 == 0 and n_prompt - 16 <= cached < n_prompt   # the last token is recomputed
+    _, _, usage = stream_completion(client, **kw)
+    assert usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_stop_string_cut_identically_when_streamed(client, model, tok):
     """A stop string that spans two tokens: the stream must hold back the text that could be
     its start, so the streamed text equals the non-streamed one (cut before the stop)."""

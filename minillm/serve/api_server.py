@@ -162,7 +162,8 @@ def build_app(engine, model_name: str, max_waiting: int = 256) -> FastAPI:
     def usage(n_prompt: int, out) -> dict:
         n = len(out.token_ids)
         return {"prompt_tokens": n_prompt, "completion_tokens": n,
-                "total_tokens": n_prompt + n}
+                "total_tokens": n_prompt + n,      # prompt tokens the prefix cache served:
+                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens or 0}}
 
     async def sse(rid: str, events: asyncio.Queue, chunk, n_prompt: int, include_usage: bool,
                   first: Optional[dict] = None):
