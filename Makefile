@@ -2,7 +2,7 @@
 # make test  - the same environment; unit tests, then nbval over notebooks/ and solutions/
 # make test-gpu     - on a CUDA machine: the Triton kernels compiled for the GPU (no interpreter),
 #                     then nbval over notebooks/ on the GPU
-# make test-browser - JupyterLab in headless Chromium: run a lecture, move a widget (not in CI)
+# make test-browser - JupyterLab in headless Chromium: run a lecture, move a widget (CI runs it too)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin

@@ -16,9 +16,9 @@ JupyterLab runs on a free 127.0.0.1 port with a random token, in a copy of the n
 repository's files are never saved over), and is stopped at the end. Playwright drives the
 system's Chromium (Debian's `chromium`, or $MINILLM_CHROMIUM): nothing is downloaded.
 
-Not part of `make test` (CI): tests/conftest.py collects this file only when
-MINILLM_BROWSER_TEST=1. When it runs, a missing Playwright or Chromium is a failure that says
-what to install, never a skip.
+Not part of `make test`: tests/conftest.py collects this file only when MINILLM_BROWSER_TEST=1,
+which `make test-browser` sets; CI (.ci/run) runs that target after `make test`. When it runs,
+a missing Playwright or Chromium is a failure that says what to install, never a skip.
 """
 from __future__ import annotations
 
