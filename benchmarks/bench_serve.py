@@ -151,13 +151,13 @@ def plot(record, path):
     if not runs:
         return
     x = [r["request_rate"] for r in runs]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     for key, label in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"),
                        ("e2el_p50", "E2E p50"), ("tpot_p50", "TPOT p50")):
         a.plot(x, [r[key] for r in runs], "o-", label=label)
     a.set(xlabel="offered load (requests/s)", ylabel="seconds", yscale="log",
           title="latency vs load")
-    a.legend()
+    a.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)   # beside: never over a line
     b.plot(x, [r["request_throughput"] for r in runs], "o-", label="throughput")
     if runs[0]["request_goodput"] is not None:
         b.plot(x, [r["request_goodput"] for r in runs], "s--", label="goodput (met SLOs)")
