@@ -81,7 +81,7 @@ bench: $(STAMP)
 
 # chapter 07's learned draft: Medusa heads self-distilled on the bundled model (CPU, ~10-20 min)
 train-draft: $(STAMP)
-	$(BIN)/python -m minillm.spec.train_medusa --report benchmarks/results/medusa_train_cpu.json
+	$(BIN)/python -m minillm.spec.train_medusa --threads 2 --report benchmarks/results/medusa_train_cpu.json
 
 clean-venv:
 	rm -rf $(VENV)

@@ -270,3 +270,17 @@ def test_medusa_heads_roundtrip_and_refuse_another_model(tmp_path, tiny):
         heads(h, 3)
     with pytest.raises(ValueError, match="make train-draft"):
         spec.MedusaHeads.load(tmp_path / "missing.safetensors")
+
+
+def test_medusa_training_holds_out_whole_topics():
+    """Held-out accuracy must measure new subjects: no held-out topic appears in training."""
+    from minillm.loader import _bundled_tokenizer
+    from minillm.spec.train_medusa import TASKS, TOPICS, make_prompts
+    tok = _bundled_tokenizer()
+    train, held = make_prompts(tok, 176, 16)
+    assert len(train) == 176 and len(held) == 16 and len(set(train)) == 176
+    held_topics = {t for t in TOPICS if any(t in p for p in held)}
+    assert len(held_topics) == 2
+    assert not any(t in p for t in held_topics for p in train)
+    with pytest.raises(ValueError, match="ask for fewer"):
+        make_prompts(tok, (len(TOPICS) - 1) * len(TASKS) + 1, 8)

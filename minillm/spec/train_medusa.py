@@ -1,17 +1,19 @@
 """Train Medusa heads on the bundled model's own generations (self-distillation), on the CPU.
 
-    python -m minillm.spec.train_medusa            # what `make train-draft` runs
+    python -m minillm.spec.train_medusa --threads 2    # what `make train-draft` runs (~8 min)
     python -m minillm.spec.train_medusa --num-prompts 48 --epochs 1     # a quicker, worse run
 
 1. Generate: the target answers a set of generated instructions (greedy, through minillm.LLM).
 2. Features: one no-cache forward per answer gives the final hidden state h_t at every position.
-3. Train: head j learns to predict token t + 1 + j from h_t. Default loss "feature": regress
-   the target's own hidden state h_{t+j}, whose lm_head gives exactly that token (cheap: no
-   vocabulary-sized matmul, so it trains in minutes on a CPU); loss "ce": cross-entropy through
-   the frozen, shared lm_head (what the Medusa paper does; about 50x the compute per position).
+3. Train: head j learns to predict token t + 1 + j from h_t. Default loss "ce": cross-entropy
+   through the frozen, shared lm_head (what the Medusa paper does). Loss "feature": regress the
+   target's own hidden state h_{t+j}, whose lm_head gives that token; about 50x cheaper per
+   position (no vocabulary-sized matmul) but, measured on the same 14,594 positions, it stalled
+   at a held-out top-1 of 0.14 for head 1 where "ce" reached 0.39.
    Only the heads' residual blocks learn: hidden x hidden weights per head.
-4. Measure: on held-out prompts, how often head j's argmax equals the token the model produced
-   (the greedy acceptance of draft position j when every earlier draft was right).
+4. Measure: on held-out prompts about topics the training never saw, how often head j's argmax
+   equals the token the model produced (the greedy acceptance of draft position j when every
+   earlier draft was right).
 Writes fp16 safetensors (about 2.7 MB for 4 heads) with the metadata the loader checks.
 """
 from __future__ import annotations
@@ -36,12 +38,25 @@ TASKS = ["Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.",
          "Write a short story that involves {t}.", "List some common questions about {t} and answer them."]
 
 
-def make_prompts(tok, n: int, seed: int = 0) -> list:
+def make_prompts(tok, num_train: int, num_heldout: int, seed: int = 0) -> tuple:
+    """(training prompts, held-out prompts), chat-formatted. The held-out prompts are about topics
+    no training prompt mentions, so held-out accuracy measures what carries over to new subjects,
+    not how well the heads learned answers to these very topics."""
     rng = random.Random(seed)
-    items = [task.format(t=topic) for topic in TOPICS for task in TASKS]
-    rng.shuffle(items)
-    return [tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                    add_generation_prompt=True) for text in items[:n]]
+    topics = TOPICS[:]
+    rng.shuffle(topics)
+    n_held_topics = -(-num_heldout // len(TASKS))
+    held_topics, train_topics = topics[:n_held_topics], topics[n_held_topics:]
+    if num_train > len(train_topics) * len(TASKS):
+        raise ValueError(f"{num_train} training prompts asked for, but with {num_heldout} held out "
+                         f"only {len(train_topics) * len(TASKS)} remain; ask for fewer")
+
+    def items(tops, n):
+        out = [task.format(t=topic) for topic in tops for task in TASKS]
+        rng.shuffle(out)
+        return [tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                        add_generation_prompt=True) for text in out[:n]]
+    return items(train_topics, num_train), items(held_topics, num_heldout)
 
 
 @torch.inference_mode()
@@ -115,11 +130,11 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--num-heads", type=int, default=4)
-    ap.add_argument("--num-prompts", type=int, default=40)
-    ap.add_argument("--num-heldout", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--epochs", type=int, default=30)
-    ap.add_argument("--loss", choices=["feature", "ce"], default="feature")
+    ap.add_argument("--num-prompts", type=int, default=176)
+    ap.add_argument("--num-heldout", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--epochs", type=int, default=6)
+    ap.add_argument("--loss", choices=["feature", "ce"], default="ce")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--out", default=str(DEFAULT_WEIGHTS))
@@ -131,10 +146,13 @@ def main(argv=None) -> None:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model, tok = load_model(args.model, dtype=torch.float32, device="cpu")
-    prompts = make_prompts(tok, args.num_prompts + args.num_heldout)
-    seqs = generate_data(model, tok, prompts, args.max_tokens)
+    try:
+        train_prompts, held_prompts = make_prompts(tok, args.num_prompts, args.num_heldout)
+    except ValueError as e:
+        ap.error(str(e))
+    seqs = generate_data(model, tok, train_prompts + held_prompts, args.max_tokens)
     t_gen = time.perf_counter() - t0
-    train_seqs, held_seqs = seqs[:args.num_prompts], seqs[args.num_prompts:]
+    train_seqs, held_seqs = seqs[:len(train_prompts)], seqs[len(train_prompts):]
     h, y, fut = features(model, train_seqs, args.num_heads)
     hv, yv, _ = features(model, held_seqs, args.num_heads)
     t_feat = time.perf_counter() - t0 - t_gen
