@@ -21,7 +21,7 @@ from ..configs import get as _get_config
 from ..kvmath import param_count
 from ..model import causal_attention
 from ..sampling import top_k_filter, top_p_filter
-from .core import Check, Exercise
+from .core import Check, Exercise, expect_value_error
 from .core import Problem as _Problem
 from .core import checked as _checked
 from .hints import one_fit
@@ -596,16 +596,8 @@ def _roofline_errors(fn):
                       ((cfg, b, nt, -1, bpv, bw, peak), "a negative context"),
                       ((cfg, b, nt, ctx, bpv, 0.0, peak), "bandwidth 0"),
                       ((cfg, b, nt, ctx, bpv, bw, -1.0), "a negative peak FLOP/s")):
-        try:
-            out = fn(*args)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise _Problem(f"{why} raised {type(exc).__name__}: {exc}; raise ValueError with a "
-                           "message that names the bad argument")
-        raise _Problem(f"{why}: you returned {str(out)[:60]} instead of raising ValueError")
+        expect_value_error(lambda: fn(*args), why,
+                           "raise ValueError with a message that names the bad argument")
 
 
 def _random_roofline_steps(seed: int, n: int):

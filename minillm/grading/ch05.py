@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
-from .core import Check, Exercise
+from .core import Check, Exercise, expect_value_error
 from .core import Problem as _Problem
 from .core import checked as _checked
 from .hints import one_fit
@@ -134,17 +134,8 @@ def _metadata_errors(fn):
     for spans, why in (([(0, 4), (5, 0)], "a span with num_new = 0 computes nothing"),
                        ([(-1, 3)], "num_computed cannot be negative"),
                        ([(3, 1), (0, -2)], "num_new cannot be negative")):
-        what = f"spans={spans} ({why})"
-        try:
-            out = fn(list(spans))
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise _Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError that "
-                           "names the bad span")
-        raise _Problem(f"{what}: you returned {str(out)[:60]} instead of raising ValueError")
+        expect_value_error(lambda: fn(list(spans)), f"spans={spans} ({why})",
+                           "raise ValueError that names the bad span")
 
 
 def _random_spans(seed: int, n: int):

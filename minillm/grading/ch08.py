@@ -22,7 +22,7 @@ import math
 from numbers import Integral, Real
 from typing import Optional
 
-from .core import Check, Exercise
+from .core import Check, Exercise, expect_value_error
 from .core import Problem as _Problem
 from .core import checked as _checked
 
@@ -133,17 +133,9 @@ def _goodput_errors(fn):
             (_R1, {"ttft": 1.0}, 0.0, "duration 0"),
             (_R1, {"ttft": 1.0}, -2.0, "negative duration"),
             (_R1, {"latency": 1.0}, 1.0, "unknown SLO name 'latency'")):
-        what = f"slos={slos}, duration={duration} ({why})"
-        try:
-            out = fn([dict(r) for r in requests], dict(slos), duration)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise _Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError naming "
-                           "the problem")
-        raise _Problem(f"{what}: you returned {out!r} instead of raising ValueError")
+        expect_value_error(lambda: fn([dict(r) for r in requests], dict(slos), duration),
+                           f"slos={slos}, duration={duration} ({why})",
+                           "raise ValueError naming the problem")
 
 
 GOODPUT = Exercise("ch08.goodput", "goodput", (
@@ -214,16 +206,7 @@ def _rate_errors(fn):
                       ((8, 0.2, 0.05, 0), "output_len 0"),
                       ((8, -0.1, 0.05, 10), "negative prefill_time"),
                       ((8, 0.0, 0.0, 10), "zero time: a request would take no time")):
-        what = f"max_rate{args} ({why})"
-        try:
-            out = fn(*args)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise _Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError")
-        raise _Problem(f"{what}: you returned {out!r} instead of raising ValueError")
+        expect_value_error(lambda: fn(*args), f"max_rate{args} ({why})")
 
 
 MAX_RATE = Exercise("ch08.max_rate", "max_rate", (
@@ -302,16 +285,7 @@ def _waiting_errors(fn):
     for args, why in (((0.0, 8, 0.2, 0.05, 10), "ttft_slo 0"),
                       ((1.0, 0, 0.2, 0.05, 10), "max_num_seqs 0"),
                       ((1.0, 8, 0.2, 0.05, 0), "output_len 0")):
-        what = f"max_waiting{args} ({why})"
-        try:
-            out = fn(*args)
-        except ValueError:
-            continue
-        except NotImplementedError:
-            raise
-        except Exception as exc:
-            raise _Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError")
-        raise _Problem(f"{what}: you returned {out!r} instead of raising ValueError")
+        expect_value_error(lambda: fn(*args), f"max_waiting{args} ({why})")
 
 
 MAX_WAITING = Exercise("ch08.max_waiting", "max_waiting", (

@@ -125,6 +125,20 @@ def checked(fn: Callable) -> Callable:
     return check
 
 
+def expect_value_error(call: Callable, what: str, fix: str = "raise ValueError") -> None:
+    """Inside a check: `call()` must raise ValueError. NotImplementedError (an exercise not yet
+    written) passes through; any other exception, or a return, is a Problem that names `what`."""
+    try:
+        out = call()
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        raise Problem(f"{what} raised {type(exc).__name__}: {exc}; {fix}")
+    raise Problem(f"{what}: you returned {str(out)[:60]} instead of raising ValueError")
+
+
 def _run_check(check: Check, learner: Callable) -> tuple[bool, str]:
     try:
         ok, message = check.fn(learner)
