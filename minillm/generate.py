@@ -8,6 +8,7 @@ Both give the same tokens under greedy decoding; chapter 01 times the difference
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
@@ -68,11 +69,36 @@ def _check_room(model, prompt_len: int, max_new_tokens: int) -> None:
     check_context_room(model.config, prompt_len, max_new_tokens)
 
 
-def _eos_ids(tok, sampling: SamplingParams) -> set:
-    ids = set(sampling.stop_token_ids)
-    if not sampling.ignore_eos and tok is not None and getattr(tok, "eos_token_id", None) is not None:
-        ids.add(tok.eos_token_id)
-    return ids
+@dataclass(frozen=True)
+class Stop:
+    """Why a sequence stops: reason "stop" (a stop token or stop string) or "length"."""
+    reason: str
+    stop: object = None                 # the stop token id or stop string that matched
+    text_cut: Optional[int] = None      # with a stop string: len of the text before it
+
+
+def stop_reason(params: SamplingParams, output_token_ids: list, eos_token_id: Optional[int] = None,
+                max_tokens: Optional[int] = None, decode=None) -> Optional[Stop]:
+    """The one stop rule (this loop, the engine and the batch-1 speculative loop), checked after
+    each new token: a stop token (EOS unless ignore_eos, or one of stop_token_ids), then a stop
+    string in the decoded text (only when `decode(ids) -> str` is given), then the length limit
+    (max_tokens, default params.max_tokens). None: keep going."""
+    token = output_token_ids[-1]
+    if token in params.stop_token_ids or (not params.ignore_eos and token == eos_token_id):
+        return Stop("stop", token)
+    if params.stop and decode is not None:
+        text = decode(output_token_ids)
+        hits = [(text.find(s), s) for s in params.stop if s in text]
+        if hits:
+            cut, s = min(hits)
+            return Stop("stop", s, cut)
+    if len(output_token_ids) >= (max_tokens if max_tokens is not None else params.max_tokens):
+        return Stop("length")
+    return None
+
+
+def eos_token_id(tok) -> Optional[int]:
+    return getattr(tok, "eos_token_id", None) if tok is not None else None
 
 
 @torch.inference_mode()
@@ -86,13 +112,14 @@ def generate_stream(model, tok, prompt: Prompt, max_new_tokens: int = 32,
     cache = ContiguousKVCache(model.config, batch_size=1, max_len=T + max_new_tokens - 1,
                               dtype=model.dtype, device=model.device)
     gen = make_generator(sampling.seed, model.device)
-    stop_ids = _eos_ids(tok, sampling)
+    eos = eos_token_id(tok)
     logits = model(input_ids, cache=cache, last_only=True)    # prefill: [1, 1, V]
-    for step in range(max_new_tokens):
+    out: list[int] = []
+    while True:
         next_id = sample(logits[:, -1], sampling, gen)        # [1]
-        token = int(next_id)
-        yield token
-        if token in stop_ids or step == max_new_tokens - 1:
+        out.append(int(next_id))
+        yield out[-1]
+        if stop_reason(sampling, out, eos, max_new_tokens):
             return
         logits = model(next_id[:, None], cache=cache)         # decode: one token in, [1, 1, V]
 
@@ -111,13 +138,13 @@ def generate_no_cache(model, tok, prompt: Prompt, max_new_tokens: int = 32,
     ids = encode_prompt(model, tok, prompt)
     _check_room(model, ids.shape[1], max_new_tokens)
     gen = make_generator(sampling.seed, model.device)
-    stop_ids = _eos_ids(tok, sampling)
+    eos = eos_token_id(tok)
     new: list[int] = []
-    for _ in range(max_new_tokens):
+    while True:
         logits = model(ids, last_only=True)                   # [1, 1, V], all tokens recomputed
         next_id = sample(logits[:, -1], sampling, gen)
         new.append(int(next_id))
-        if new[-1] in stop_ids:
+        if stop_reason(sampling, new, eos, max_new_tokens):
             break
         ids = torch.cat([ids, next_id[:, None]], dim=1)
     return new

@@ -44,15 +44,16 @@ from ..generate import Prompt, check_context_room, prompt_token_ids
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
 from .model_runner import ModelRunner, kv_blocks_for_memory, sample_tokens
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenDelta
 from .request import Request
 from .scheduler import Scheduler
 
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepStats:
-    """What one step did (for plots and for the tests' invariants)."""
+    """What one step did, and a snapshot of the engine after it (for plots, the tests'
+    invariants and the server's metrics). Cumulative counters are totals over the engine's life."""
     num_batched_tokens: int
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -63,7 +64,13 @@ class StepStats:
     num_running: int
     num_swapped: int
     num_free_blocks: int
+    num_kv_blocks: int
     duration: float
+    total_preemptions: int = 0      # cumulative
+    prefix_cache_queries: int = 0   # cumulative prompt tokens looked up (chapter 06)
+    prefix_cache_hits: int = 0      # cumulative prompt tokens found
+    num_draft_tokens: int = 0       # cumulative drafts verified (chapter 07)
+    num_accepted_tokens: int = 0    # cumulative drafts accepted
 
 
 class LLMEngine:
@@ -205,9 +212,14 @@ class LLMEngine:
     has_unfinished_requests = has_unfinished
 
     # --- one step ----------------------------------------------------------------------------
-    @torch.inference_mode()
     def step(self) -> list:
-        """Run one iteration. Returns the RequestOutputs of requests finished in it.
+        """Run one iteration. Returns the RequestOutputs of requests finished in it."""
+        return self.step_outputs().finished
+
+    @torch.inference_mode()
+    def step_outputs(self) -> StepOutput:
+        """Run one iteration. Returns a StepOutput: the finished requests' outputs, the new
+        tokens of every sequence that got some (TokenDelta) and a StepStats snapshot.
 
         Failures belong to requests: if the batched forward raises, each request is run alone
         to find which fail; a request whose forward, sampling or stop check raises finishes
@@ -216,30 +228,42 @@ class LLMEngine:
         recomputed, so the engine stays consistent and holds no stranded blocks."""
         start = self.clock()
         finished, self._unreturned = self._unreturned, []
+        deltas: list = []
         try:
             sched = self.scheduler.schedule()
-            if sched.is_empty:
-                if self.scheduler.has_unfinished():
-                    raise RuntimeError(f"the scheduler could not schedule anything although "
-                                       f"requests are pending ({self.scheduler.waiting[:3]}...); "
-                                       "this is a bug")
-                return [self._output(rid) for rid in finished]
+            if sched.is_empty and self.scheduler.has_unfinished():
+                raise RuntimeError(f"the scheduler could not schedule anything although "
+                                   f"requests are pending ({self.scheduler.waiting[:3]}...); "
+                                   "this is a bug")
             n_decode = sum(n for r, n in sched.scheduled if not r.is_prefill)
             prefill_seqs = sum(r.is_prefill for r, _ in sched.scheduled)
-            self._run_step(sched, finished)
+            if not sched.is_empty:
+                self._run_step(sched, finished, deltas)
         except BaseException:
             self.scheduler.requeue_all()
             self._unreturned = finished + self._unreturned   # returned by the next step
             raise
-        n_prefill = sched.num_batched_tokens - n_decode
-        s = self.scheduler
-        self.step_stats.append(StepStats(
-            sched.num_batched_tokens, n_prefill, n_decode, len(sched.scheduled), prefill_seqs,
-            len(sched.preempted), len(s.waiting), len(s.running), len(s.swapped),
-            self.block_manager.num_free_blocks, self.clock() - start))
-        return [self._output(rid) for rid in finished]
+        stats = self._stats(sched, n_decode, prefill_seqs, self.clock() - start)
+        if not sched.is_empty:
+            self.step_stats.append(stats)
+        return StepOutput([self._output(rid) for rid in finished], deltas, stats)
 
-    def _run_step(self, sched, finished: list) -> None:
+    def _stats(self, sched, n_decode: int, prefill_seqs: int, duration: float) -> StepStats:
+        s, pc = self.scheduler, self.prefix_cache_stats
+        spec = self.spec.stats if self.spec is not None else None
+        return StepStats(
+            num_batched_tokens=sched.num_batched_tokens,
+            num_prefill_tokens=sched.num_batched_tokens - n_decode,
+            num_decode_tokens=n_decode, num_seqs=len(sched.scheduled),
+            num_prefill_seqs=prefill_seqs, num_preempted=len(sched.preempted),
+            num_waiting=len(s.waiting), num_running=len(s.running), num_swapped=len(s.swapped),
+            num_free_blocks=self.block_manager.num_free_blocks, num_kv_blocks=self.num_kv_blocks,
+            duration=duration, total_preemptions=s.num_preemptions,
+            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
+            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_tokens=spec.num_accepted_tokens if spec else 0)
+
+    def _run_step(self, sched, finished: list, deltas: list) -> None:
         """Copies, forward, sampling and stop checks of one scheduled step. A request's
         num_computed_tokens advances only once its step's work succeeded: right after the
         forward for a prefill chunk that samples nothing, together with its new token else.
@@ -294,7 +318,7 @@ class LLMEngine:
             emitted.append((req, row + len(toks) - 1, toks))
         now = self.clock()
         for req, _, toks in emitted:
-            reason = None
+            reason, before = None, req.num_output_tokens
             for token in toks:
                 req.output_token_ids.append(token)
                 req.metrics.record_token(now)
@@ -306,6 +330,10 @@ class LLMEngine:
                     break
                 if reason is not None:
                     break
+            added = req.num_output_tokens - before
+            deltas.append(TokenDelta(req.request_id, req.sample_index,
+                                     tuple(req.output_token_ids[-added:]) if added else (),
+                                     req.num_output_tokens, reason is not None))
             if reason == "error":
                 continue
             # a stop inside the accepted drafts drops the tokens after it: cache only what stays
@@ -467,4 +495,4 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
 
-__all__ = ["LLMEngine", "StepStats"]
+__all__ = ["LLMEngine", "StepStats", "StepOutput", "TokenDelta"]

@@ -64,3 +64,23 @@ class RequestOutput:
                          for o in self.outputs)
         err = f", error={self.error!r}" if self.error else ""
         return f"RequestOutput({self.request_id!r}, [{outs}]{err})"
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """The tokens one sequence got in one step (vLLM's RequestOutput with finished=False and
+    output_kind DELTA, cut down to ids): 1 token, or up to k + 1 when drafts were verified.
+    Text is the frontend's business (the server detokenises incrementally)."""
+    request_id: str
+    index: int                          # sample index, 0 .. n-1
+    token_ids: tuple                    # this step's new tokens
+    num_output_tokens: int              # the sequence's output tokens so far, these included
+    finished: bool                      # this sequence finished in this step
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one `LLMEngine.step_outputs()` call produced."""
+    finished: list                      # [RequestOutput]: requests whose every sample finished
+    deltas: list                        # [TokenDelta]: every sequence that got tokens
+    stats: object                       # StepStats: the step and a snapshot of the engine

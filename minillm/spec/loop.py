@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..cache.contiguous import ContiguousKVCache
-from ..generate import _check_room, _eos_ids, encode_prompt
+from ..generate import _check_room, encode_prompt, eos_token_id, stop_reason
 from ..sampling import SamplingParams, make_generator, sample
 from .medusa import capture_hidden
 from .proposers import final_probs
@@ -91,7 +91,7 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
                                                    model.config.max_position_embeddings),
                               dtype=model.dtype, device=model.device)
     gen = make_generator(sampling.seed, model.device)
-    stop_ids = _eos_ids(tok, sampling)
+    eos = eos_token_id(tok)
     if hasattr(proposer, "reset"):
         proposer.reset()
     needs_hidden = getattr(proposer, "needs_hidden", False)
@@ -101,7 +101,7 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
     hidden = cap.value[0, -1] if needs_hidden else None            # [C]
     out = [int(sample(logits[:, -1], sampling, gen))]
     tokens = input_ids[0].tolist() + out
-    while out[-1] not in stop_ids and len(out) < max_new_tokens:
+    while not stop_reason(sampling, out, eos, max_new_tokens):
         k = min(k_max, max_new_tokens - len(out) - 1)
         drafts, q = [], None
         if k > 0:
@@ -127,7 +127,7 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
         for t in emitted:
             out.append(t)
             tokens.append(t)
-            if t in stop_ids or len(out) >= max_new_tokens:
+            if stop_reason(sampling, out, eos, max_new_tokens):
                 break
     stats.num_emitted_tokens += len(out)
     stats.total_time += time.perf_counter() - t0
