@@ -3,6 +3,10 @@
 Order of operations, as in vLLM: divide by temperature, keep the top-k logits, keep the smallest
 set of tokens whose probability reaches top-p, then draw. Temperature 0 means greedy (argmax), and
 so does any temperature below GREEDY_EPSILON (1e-5).
+
+    probs(logits, params)   the final distribution after that pipeline [R, V] (one place)
+    sample(logits, params)  one draw per row from it (greedy: the argmax, no distribution built)
+Chapter 07's speculative verification compares `probs` with the draft's distributions.
 """
 from __future__ import annotations
 
@@ -137,8 +141,8 @@ def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     if p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    probs = sorted_logits.softmax(dim=-1)
-    before = probs.cumsum(dim=-1) - probs                   # mass of the tokens ranked above
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs     # mass of the tokens ranked above
     drop_sorted = before >= p                               # already reached p without this one
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
@@ -153,14 +157,24 @@ def make_generator(seed: Optional[int], device="cpu") -> torch.Generator:
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams,
-           generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """logits [B, V] -> next token ids [B]."""
+def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [R, V] -> the final distributions [R, V] float32 that sampling draws from:
+    temperature, then top-k, then top-p, then softmax. Greedy is a one-hot on the argmax.
+    `sample` draws from these rows; speculative verification (chapter 07) compares them with the
+    draft's distributions, so both use exactly the same pipeline."""
     logits = logits.float()
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     logits = logits / params.temperature
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams,
+           generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B]: the argmax for greedy (no distribution needed), else
+    one draw per row from `probs(logits, params)`."""
+    if params.greedy:
+        return logits.float().argmax(dim=-1)
+    return torch.multinomial(probs(logits, params), 1, generator=generator).squeeze(-1)

@@ -1,19 +1,36 @@
-"""Speculative decoding inside the engine (chapter 07).
+"""Speculative decoding inside the engine (chapter 07): the one seam the engine talks through.
 
     llm = minillm.LLM("smollm2-135m", speculative_config={
         "method": "ngram", "num_speculative_tokens": 4,
         "prompt_lookup_min": 2, "prompt_lookup_max": 4})
 
+The engine (chapter 04's code) sees only what is in this file. Until chapter 07 turns speculation
+on, its proposer is a `NoProposer` that proposes nothing, and nothing here imports the spec
+package. With a speculative_config, `build_proposer` builds the method's proposer once
+(minillm/spec/proposers.py, one class per method):
+
+    method         proposer            what it needs            draft distributions
+    "ngram"        NgramProposer       the tokens (prompt lookup)   none (one-hot drafts)
+    "medusa"       MedusaProposer      the target's hidden row      the heads' q
+    "draft_model"  DraftModelProposer  its own KV cache per seq     the draft model's q
+
 How a step changes (the rest of the engine is chapter 04's):
-  1. After a request samples, the proposer guesses its next k tokens (`req.spec_token_ids`).
+  1. After a request samples, the engine asks the proposer for its next k tokens, k = `room`:
+
+        engine                                  proposer
+        [DraftRequest(token_ids, k, params,  ->  propose(requests)   one call for the batch
+                      generator, hidden, state)]
+        req.spec_token_ids, draft probs,     <-  [Draft(token_ids, probs, state)], same order
+        the proposer's state (kept on the request, handed back next time)
+
   2. The scheduler gives a decoding request 1 + k tokens instead of 1: its last sampled token
      plus the drafts, within the token budget and only when blocks are free (drafts never cause a
      preemption). They join the same ragged batch as everyone's prefill chunks and decodes.
   3. The model runner returns logits at all 1 + k positions of such a request; the target's
      verification runs through the paged prefill path like any multi-token chunk.
   4. `verify` keeps the accepted drafts plus one token (exact match for greedy, the rejection
-     sampler otherwise), then rolls back: num_computed_tokens forgets the rejected positions and
-     blocks that hold only rejected positions go back to the pool.
+     sampler otherwise), then the engine rolls back: num_computed_tokens forgets the rejected
+     positions and blocks that hold only rejected positions go back to the pool.
 
 Methods (vLLM's names where it has them): "ngram" (prompt lookup), "medusa" (the heads of
 minillm/spec/medusa.py, trained by `make train-draft`), "draft_model" (a separate smaller model
@@ -22,20 +39,45 @@ first layers: an early-exit draft).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from ..spec.loop import SpecStats
-from ..spec.medusa import DEFAULT_WEIGHTS, MedusaHeads, capture_hidden
-from ..spec.ngram import check_lookup, ngram_propose
-from ..spec.proposers import DraftModelProposer, draw, early_exit_model, final_probs
-from ..spec.rejection import greedy_accept, rejection_sample
+from ..sampling import SamplingParams
 
 METHODS = ("ngram", "medusa", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
         "draft_num_layers", "weights"}
+
+
+@dataclass
+class DraftRequest:
+    """What a proposer needs of one sequence."""
+    token_ids: list                 # prompt + outputs so far (last = newest sampled token)
+    num_drafts: int                 # k for this sequence, >= 1
+    params: SamplingParams
+    generator: Optional[torch.Generator]
+    hidden: Optional[torch.Tensor] = None   # [C] target hidden state that produced the last token (Medusa)
+    state: object = None            # this proposer's per-sequence state from the last call, or None
+
+
+@dataclass
+class Draft:
+    """A proposer's answer for one sequence."""
+    token_ids: list                 # 0 .. num_drafts ids
+    probs: Optional[torch.Tensor]   # [len(token_ids), V] draft distributions; None for one-hot drafts
+    state: object = None            # the caller keeps it and passes it back next time
+
+
+class NoProposer:
+    """Speculation off: proposes nothing (the null object chapter 04's engine runs with)."""
+    needs_hidden = False
+    num_speculative_tokens = 0
+
+    def propose(self, requests: list) -> list:
+        return [Draft([], None) for _ in requests]
 
 
 def parse_speculative_config(config) -> dict:
@@ -58,6 +100,7 @@ def parse_speculative_config(config) -> dict:
                          "draft position, so long drafts only waste verification work; 2-8 is usual)")
     out = dict(config, num_speculative_tokens=k)
     if method == "ngram":
+        from ..spec.ngram import check_lookup
         lo, hi = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 4)
         check_lookup(k, lo, hi)
         out.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
@@ -67,101 +110,94 @@ def parse_speculative_config(config) -> dict:
     return out
 
 
+def build_proposer(speculative_config: Optional[dict], model):
+    """The engine's proposer, built once: NoProposer() for None, else the method's proposer
+    (this loads the Medusa weights or the draft model). ValueError names the fix."""
+    if speculative_config is None:
+        return NoProposer()
+    cfg = parse_speculative_config(speculative_config)
+    from ..spec.proposers import PROPOSERS       # chapter 07, imported only when it is used
+    return PROPOSERS[cfg["method"]].from_config(cfg, model)
+
+
+def room(req, num_speculative_tokens: int, max_model_len: int) -> int:
+    """Drafts this request may carry this step: verifying k drafts can emit k + 1 tokens, so
+    k <= max_tokens left - 1, and the k + 1 positions must fit the context."""
+    left = req.params.max_tokens - req.num_output_tokens - 1
+    ctx = max_model_len - req.num_tokens - 1
+    return max(0, min(num_speculative_tokens, left, ctx))
+
+
+def check_drafts(requests: list, drafts: list, proposer) -> list:
+    """A proposer's answer keeps the contract: one Draft per request, at most num_drafts ids,
+    probs [len(ids), V] or None. Returns drafts; ValueError names the proposer and the fix."""
+    name = type(proposer).__name__
+    if len(drafts) != len(requests):
+        raise ValueError(f"{name}.propose returned {len(drafts)} drafts for {len(requests)} "
+                         "requests; return one Draft per DraftRequest, in the same order")
+    for r, d in zip(requests, drafts):
+        if len(d.token_ids) > r.num_drafts:
+            raise ValueError(f"{name} proposed {len(d.token_ids)} tokens where num_drafts is "
+                             f"{r.num_drafts}; propose at most num_drafts")
+        if d.probs is not None and d.probs.shape[0] != len(d.token_ids):
+            raise ValueError(f"{name}'s draft probs have {d.probs.shape[0]} rows for "
+                             f"{len(d.token_ids)} drafts; give one row per draft token or None")
+    return drafts
+
+
+def verify(logits: torch.Tensor, draft_token_ids, draft_probs: Optional[torch.Tensor],
+           params: SamplingParams, generator: Optional[torch.Generator] = None) -> list:
+    """The one verifier, `minillm.spec.rejection.verify` (imported here on first use, so the
+    engine does not load chapter 07 until drafts exist): logits [1 + k, V] -> 1 .. k + 1 ids."""
+    from ..spec.rejection import verify as verify_drafts
+    return verify_drafts(logits, draft_token_ids, draft_probs, params, generator)
+
+
 class SpecDecoder:
-    """The engine's speculative-decoding state: the proposer, verification, acceptance counts."""
+    """TEMPORARY adapter for today's llm_engine.py (the engine rewrite calls build_proposer,
+    room and verify itself): holds the proposer built once, the SpecStats, and moves drafts and
+    the proposer's per-sequence state between the proposer and each Request."""
 
     def __init__(self, config: dict, model):
-        cfg = parse_speculative_config(config)
-        self.config, self.model = cfg, model
-        self.method, self.k = cfg["method"], cfg["num_speculative_tokens"]
+        from ..spec.stats import SpecStats
+        self.config = parse_speculative_config(config)
+        self.model, self.k = model, self.config["num_speculative_tokens"]
+        self.proposer = build_proposer(self.config, model)
+        self.needs_hidden = self.proposer.needs_hidden
         self.stats = SpecStats()
-        self.heads = None
-        self.draft = None
-        self.draft_proposers: dict = {}            # seq_id -> DraftModelProposer (draft_model)
-        if self.method == "medusa":
-            heads = cfg.get("weights", DEFAULT_WEIGHTS)
-            if not isinstance(heads, MedusaHeads):
-                heads = MedusaHeads.load(heads, model)
-            heads.check_model(model)
-            if self.k > heads.num_heads:
-                raise ValueError(f"num_speculative_tokens={self.k} but the Medusa weights have "
-                                 f"{heads.num_heads} heads; lower it to <= {heads.num_heads}")
-            self.heads = heads.to(device=model.device, dtype=model.dtype).eval()
-        elif self.method == "draft_model":
-            draft = cfg.get("model")
-            if draft is None:
-                draft = early_exit_model(model, cfg.get("draft_num_layers",
-                                                        max(1, model.config.num_layers // 2)))
-            elif isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
-                from ..loader import load_model
-                draft, _ = load_model(draft, device=model.device, dtype=model.dtype)
-            if draft.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs "
-                                 f"from the target's ({model.config.vocab_size}); a draft must "
-                                 "share the target's tokenizer")
-            self.draft = draft.eval()
-
-    @property
-    def needs_hidden(self) -> bool:
-        return self.method == "medusa"
 
     def capture(self):
+        from ..spec.medusa import capture_hidden
         return capture_hidden(self.model, self.needs_hidden)
-
-    # --- proposing ------------------------------------------------------------------------------
-    def room(self, req) -> int:
-        """Drafts this request may carry: verifying k drafts can emit k + 1 tokens."""
-        left = req.params.max_tokens - req.num_output_tokens - 1
-        ctx = self.model.config.max_position_embeddings - req.num_tokens - 1
-        return max(0, min(self.k, left, ctx))
 
     @torch.inference_mode()
     def propose(self, items) -> None:
         """items: [(request, hidden row [C] or None)] of requests about to decode. Sets each
-        request's spec_token_ids (maybe []) and spec_draft_probs ([k, V] or None)."""
-        todo = []
+        request's spec_token_ids (maybe []), spec_draft_probs ([k, V] or None), spec_state."""
+        todo, asks = [], []
+        max_len = self.model.config.max_position_embeddings
         for req, hidden in items:
             req.spec_token_ids, req.spec_draft_probs = [], None
-            k = self.room(req)
+            k = room(req, self.k, max_len)
             if k > 0:
-                todo.append((req, hidden, k))
-        if not todo:
+                todo.append(req)
+                asks.append(DraftRequest(req.prompt_token_ids + req.output_token_ids, k,
+                                         req.params, req.generator, hidden,
+                                         getattr(req, "spec_state", None)))   # until Request has it
+        if not asks:
             return
-        if self.method == "ngram":
-            lo, hi = self.config["prompt_lookup_min"], self.config["prompt_lookup_max"]
-            for req, _, k in todo:
-                req.spec_token_ids = ngram_propose(req.prompt_token_ids + req.output_token_ids,
-                                                   k, lo, hi)
-        elif self.method == "medusa":
-            hidden = torch.stack([h for _, h, _ in todo])                   # [R, C]
-            logits = self.heads.logits(self.model, hidden, self.k)           # [R, K, V]
-            for (req, _, k), lg in zip(todo, logits):
-                req.spec_token_ids, req.spec_draft_probs = draw(lg[:k], req.params, req.generator)
-        else:
-            for req, _, k in todo:
-                prop = self.draft_proposers.get(req.seq_id)
-                if prop is None:
-                    max_len = req.num_prompt_tokens + req.params.max_tokens + self.k + 1
-                    prop = DraftModelProposer(self.draft, max_len=max_len)
-                    self.draft_proposers[req.seq_id] = prop
-                req.spec_token_ids, req.spec_draft_probs = prop.propose(
-                    req.prompt_token_ids + req.output_token_ids, k, req.params, req.generator)
+        for req, d in zip(todo, check_drafts(asks, self.proposer.propose(asks), self.proposer)):
+            req.spec_token_ids, req.spec_draft_probs, req.spec_state = d.token_ids, d.probs, d.state
 
     def release(self, req) -> None:
-        """A finished request drops its draft state."""
-        self.draft_proposers.pop(req.seq_id, None)
-        req.spec_token_ids, req.spec_draft_probs = [], None
+        """A finished request drops its drafts and its proposer state."""
+        req.spec_token_ids, req.spec_draft_probs, req.spec_state = [], None, None
 
-    # --- verifying ------------------------------------------------------------------------------
     def verify(self, req, logits: torch.Tensor, num_spec: int) -> list:
         """logits [1 + num_spec, V] at the last token and the drafts -> the emitted tokens."""
-        drafts = req.spec_token_ids[:num_spec]
-        if req.params.greedy:
-            emitted = greedy_accept(logits.argmax(-1).tolist(), drafts)
-        else:
-            q = req.spec_draft_probs
-            q = q[:num_spec] if q is not None else None
-            emitted = rejection_sample(final_probs(logits, req.params), drafts, q, req.generator)
+        q = req.spec_draft_probs
+        emitted = verify(logits, req.spec_token_ids[:num_spec],
+                         q[:num_spec] if q is not None else None, req.params, req.generator)
         accepted = len(emitted) - 1
         self.stats.record(num_spec, accepted)
         req.metrics.num_draft_tokens += num_spec

@@ -1,116 +1,178 @@
 """Draft proposers (chapter 07): who guesses the next k tokens, and with what distribution.
 
-Every proposer answers `propose(token_ids, k, params, generator, hidden=None)` with
-(draft_token_ids [k'], draft_probs [k', V] or None), k' <= k:
+One class per method, all behind the engine's seam (minillm/engine/spec_decode.py): each has
+`needs_hidden`, `num_speculative_tokens` and the batch method
 
-    NgramProposer       prompt lookup; one-hot drafts (None), free to compute
-    MedusaProposer      extra decoding heads on the target's last hidden state (medusa.py)
+    propose(requests: list[DraftRequest]) -> list[Draft]     one Draft per request, same order
+
+    NgramProposer       prompt lookup; one-hot drafts (probs None), free to compute
+    MedusaProposer      extra decoding heads on the target's last hidden state (medusa.py);
+                        one batched head pass for all requests
     DraftModelProposer  a smaller model with the same tokenizer, run autoregressively k times
+                        per request on that request's own KV cache (Draft.state)
 
-For a greedy request a proposer returns its argmax guesses (and None); for a sampled one it draws
-each draft from q = its distribution after the request's temperature / top-k / top-p, and returns
-q so the rejection sampler can correct for it.
+The engine builds one of these once (`build_proposer`) and the batch-1 loop (loop.py) calls the
+same objects with a batch of one. A proposer keeps no per-sequence data: what it must remember
+about a sequence (the draft model's cache and the tokens in it) goes back to the caller in
+Draft.state and comes back in DraftRequest.state.
+
+For a greedy request a proposer returns its argmax guesses (and probs None); for a sampled one it
+draws each draft from q = its distribution after the request's temperature / top-k / top-p
+(`minillm.sampling.probs`), and returns q so the rejection sampler can correct for it.
 """
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams, top_k_filter, top_p_filter
+from ..cache.contiguous import ContiguousKVCache
+from ..engine.spec_decode import Draft, DraftRequest
+from ..sampling import SamplingParams, probs
+from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import check_lookup, ngram_propose
-
-
-def final_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [R, V] -> the distributions sampling would draw from (temperature, top-k, top-p),
-    the same pipeline as `minillm.sampling.sample`. [R, V] float32."""
-    logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    logits = top_k_filter(logits, params.top_k)
-    logits = top_p_filter(logits, params.top_p)
-    return logits.softmax(dim=-1)
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, generator=None):
     """Draft tokens from draft logits [k, V]: argmax for greedy (probs None), else one sample per
-    row from the final distribution. Returns (ids, probs or None)."""
+    row from the final distribution. Returns (ids [k], q [k, V] or None)."""
     if params.greedy:
         return logits.argmax(-1).tolist(), None
-    q = final_probs(logits, params)                           # [k, V]
+    q = probs(logits, params)                                 # [k, V]
     ids = torch.multinomial(q, 1, generator=generator).squeeze(-1).tolist()
     return ids, q
 
 
 class NgramProposer:
+    """Prompt lookup (ngram.py) for every request; one-hot drafts."""
     needs_hidden = False
 
-    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4):
-        check_lookup(1, prompt_lookup_min, prompt_lookup_max)
+    def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
+                 num_speculative_tokens: int = 4):
+        check_lookup(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
         self.prompt_lookup_min, self.prompt_lookup_max = prompt_lookup_min, prompt_lookup_max
+        self.num_speculative_tokens = num_speculative_tokens
 
-    def propose(self, token_ids, k: int, params=None, generator=None, hidden=None):
-        return ngram_propose(token_ids, k, self.prompt_lookup_min, self.prompt_lookup_max), None
+    @classmethod
+    def from_config(cls, cfg: dict, model) -> "NgramProposer":
+        return cls(cfg["prompt_lookup_min"], cfg["prompt_lookup_max"],
+                   cfg["num_speculative_tokens"])
+
+    def propose(self, requests: list) -> list:
+        return [Draft(ngram_propose(r.token_ids, r.num_drafts, self.prompt_lookup_min,
+                                    self.prompt_lookup_max), None) for r in requests]
 
 
 class MedusaProposer:
     """Heads on the target's hidden state at the position that produced the last token."""
     needs_hidden = True
 
-    def __init__(self, model, heads):
+    def __init__(self, model, heads: MedusaHeads, num_speculative_tokens: int = None):
         heads.check_model(model)
-        self.model, self.heads = model, heads
+        k = heads.num_heads if num_speculative_tokens is None else num_speculative_tokens
+        if k > heads.num_heads:
+            raise ValueError(f"num_speculative_tokens={k} but the Medusa weights have "
+                             f"{heads.num_heads} heads; lower it to <= {heads.num_heads}")
+        self.model, self.num_speculative_tokens = model, k
+        self.heads = heads.to(device=model.device, dtype=model.dtype).eval()
+
+    @classmethod
+    def from_config(cls, cfg: dict, model) -> "MedusaProposer":
+        heads = cfg.get("weights", DEFAULT_WEIGHTS)        # a MedusaHeads or a file
+        if not isinstance(heads, MedusaHeads):
+            heads = MedusaHeads.load(heads, model)
+        return cls(model, heads, cfg["num_speculative_tokens"])
 
     @torch.inference_mode()
-    def propose(self, token_ids, k: int, params=None, generator=None, hidden=None):
-        if hidden is None:
-            raise ValueError("MedusaProposer needs the target's hidden state of the last position")
-        logits = self.heads.logits(self.model, hidden.reshape(1, -1), k)[0]   # [k, V]
-        return draw(logits, params or SamplingParams(temperature=0.0), generator)
+    def propose(self, requests: list) -> list:
+        if any(r.hidden is None for r in requests):
+            raise ValueError("MedusaProposer needs each request's target hidden state of the last "
+                             "position (DraftRequest.hidden)")
+        hidden = torch.stack([r.hidden for r in requests])                # [R, C]
+        k = max(r.num_drafts for r in requests)
+        logits = self.heads.logits(self.model, hidden, k)                 # [R, k, V]
+        return [Draft(*draw(lg[:r.num_drafts], r.params, r.generator))
+                for r, lg in zip(requests, logits)]
+
+
+@dataclass
+class DraftModelState:
+    """One sequence's draft-model state: its own contiguous KV cache (batch 1) and the tokens
+    whose K/V that cache holds (the cache's first len(token_ids) positions)."""
+    cache: ContiguousKVCache
+    token_ids: list
 
 
 class DraftModelProposer:
-    """A separate draft model with its own contiguous KV cache (batch 1). It remembers which
-    tokens its cache holds and rolls back to the longest prefix the target agreed with."""
+    """A separate draft model, run per request on that request's cache (DraftModelState). Each
+    call rolls the cache back to the longest prefix it shares with the request's tokens (the
+    target rejected the rest), feeds the new tokens, then drafts k tokens one at a time."""
     needs_hidden = False
 
-    def __init__(self, draft_model, max_len: Optional[int] = None):
-        from ..cache.contiguous import ContiguousKVCache
-        self.model = draft_model
-        cfg = draft_model.config
-        self.cache = ContiguousKVCache(cfg, 1, max_len or cfg.max_position_embeddings,
-                                       dtype=draft_model.dtype, device=draft_model.device)
-        self.fed: list = []                                   # tokens whose K/V the cache holds
+    def __init__(self, draft_model, num_speculative_tokens: int = 4):
+        self.model, self.num_speculative_tokens = draft_model.eval(), num_speculative_tokens
 
-    def reset(self) -> None:
-        self.cache.reset()
-        self.fed = []
+    @classmethod
+    def from_config(cls, cfg: dict, model) -> "DraftModelProposer":
+        draft = cfg.get("model")
+        if draft is None:
+            draft = early_exit_model(model, cfg.get("draft_num_layers",
+                                                    max(1, model.config.num_layers // 2)))
+        elif isinstance(draft, (str, bytes)) or hasattr(draft, "__fspath__"):
+            from ..loader import load_model
+            draft, _ = load_model(draft, device=model.device, dtype=model.dtype)
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size}) differs "
+                             f"from the target's ({model.config.vocab_size}); a draft must "
+                             "share the target's tokenizer")
+        return cls(draft, cfg["num_speculative_tokens"])
 
     @torch.inference_mode()
-    def propose(self, token_ids, k: int, params=None, generator=None, hidden=None):
-        params = params or SamplingParams(temperature=0.0)
-        ids = list(token_ids)
+    def propose(self, requests: list) -> list:
+        return [self._propose_one(r) for r in requests]
+
+    def _propose_one(self, r: DraftRequest) -> Draft:
+        ids = list(r.token_ids)
+        state = r.state if r.state is not None else self._new_state(r)
         keep = 0                                              # longest common prefix
-        for a, b in zip(self.fed, ids):
+        for a, b in zip(state.token_ids, ids):
             if a != b:
                 break
             keep += 1
         keep = min(keep, len(ids) - 1)                        # re-feed at least the last token
-        self.cache.seq_len, self.fed = keep, ids[:keep]
-        drafts, probs = [], []
-        new = ids[keep:]
-        dev = self.model.device
-        for _ in range(k):
-            logits = self.model(torch.tensor([new], device=dev), cache=self.cache,
-                                last_only=True)[0]            # [1, V]
-            self.fed += new
-            d, q = draw(logits, params, generator)
+        # the K/V of the tokens fed, plus k - 1 drafts fed back in
+        self._reserve(state, len(ids) + r.num_drafts - 1)
+        state.cache.seq_len, state.token_ids = keep, ids[:keep]
+        drafts, qs, new = [], [], ids[keep:]
+        for _ in range(r.num_drafts):
+            logits = self.model(torch.tensor([new], device=self.model.device),
+                                cache=state.cache, last_only=True)[0]     # [1, V]
+            state.token_ids += new
+            d, q = draw(logits, r.params, r.generator)
             drafts += d
             if q is not None:
-                probs.append(q[0])
+                qs.append(q[0])                                # [V]
             new = d
-        return drafts, (torch.stack(probs) if probs else None)
+        return Draft(drafts, torch.stack(qs) if qs else None, state)
+
+    def _new_state(self, r: DraftRequest) -> DraftModelState:
+        cfg = self.model.config
+        size = min(cfg.max_position_embeddings,
+                   len(r.token_ids) + r.params.max_tokens + r.num_drafts)
+        return DraftModelState(ContiguousKVCache(cfg, 1, size, dtype=self.model.dtype,
+                                                 device=self.model.device), [])
+
+    def _reserve(self, state: DraftModelState, num_tokens: int) -> None:
+        """Grow the state's cache (doubling, up to the context) to hold num_tokens positions."""
+        cache, cfg = state.cache, self.model.config
+        if num_tokens <= cache.max_len:
+            return
+        size = min(cfg.max_position_embeddings, max(num_tokens, 2 * cache.max_len))
+        bigger = ContiguousKVCache(cfg, 1, size, dtype=cache.k.dtype, device=cache.k.device)
+        bigger.k[:, :, :cache.max_len] = cache.k              # [L, 1, max_len, KVH, D]
+        bigger.v[:, :, :cache.max_len] = cache.v
+        bigger.seq_len = cache.seq_len
+        state.cache = bigger
 
 
 def early_exit_model(model, num_layers: int):
@@ -144,16 +206,10 @@ def layer_subset_model(model, keep: list, tag: str = "subset"):
     # layers (skipped ones stay empty); for early exit that is exactly the layers it runs
     draft.config = dataclasses.replace(model.config, num_layers=max(keep) + 1,
                                        name=f"{model.config.name}-{tag}")
-    draft.layer_ids = list(keep)
     return draft
 
 
-def check_speculative_tokens(k) -> int:
-    if isinstance(k, bool) or int(k) != k or k < 1:
-        raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}")
-    return int(k)
+PROPOSERS = {"ngram": NgramProposer, "medusa": MedusaProposer, "draft_model": DraftModelProposer}
 
-
-__all__ = ["NgramProposer", "MedusaProposer", "DraftModelProposer", "early_exit_model",
-           "skip_layer_model",
-           "final_probs", "draw", "check_lookup"]
+__all__ = ["NgramProposer", "MedusaProposer", "DraftModelProposer", "DraftModelState", "PROPOSERS",
+           "early_exit_model", "skip_layer_model", "draw"]

@@ -18,12 +18,18 @@ p(d), otherwise sample from p with d removed and renormalised.
 Greedy requests (temperature 0) take the exact-match path instead: accept while the draft equals
 the target's argmax, then emit the argmax at the first mismatch (or the bonus position). The
 output is then token for token what plain greedy decoding gives.
+
+`verify` is the one entry point the batch-1 loop (spec/loop.py) and the engine
+(engine/spec_decode.py) call: it picks the rule from the request's SamplingParams and turns the
+target's logits into final distributions with `minillm.sampling.probs`, the pipeline `sample` uses.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
 import torch
+
+from ..sampling import SamplingParams, probs, sample
 
 
 def _check(target_probs: torch.Tensor, draft_token_ids, draft_probs) -> tuple:
@@ -100,3 +106,18 @@ def greedy_accept(target_argmax: Sequence[int], draft_token_ids: Sequence[int]) 
         emitted.append(d)
     emitted.append(tgt[len(emitted)])
     return emitted
+
+
+def verify(logits: torch.Tensor, draft_token_ids: Sequence[int],
+           draft_probs: Optional[torch.Tensor], params: SamplingParams,
+           generator: Optional[torch.Generator] = None) -> list:
+    """One sequence's verification. logits [1 + k, V]: the target's logits at the last sampled
+    token and at the k drafts; draft_token_ids [k]; draft_probs [k, V] or None (one-hot drafts).
+    Returns the emitted ids, 1 .. k + 1: exact match for greedy (`greedy_accept`), the rejection
+    sampler on `probs(logits, params)` otherwise. With no drafts it is plain `sample`, so a step
+    without drafts draws exactly what decoding without speculation draws."""
+    if len(draft_token_ids) == 0:
+        return [int(sample(logits[-1:], params, generator))]
+    if params.greedy:
+        return greedy_accept(logits.argmax(dim=-1).tolist(), draft_token_ids)
+    return rejection_sample(probs(logits, params), draft_token_ids, draft_probs, generator)

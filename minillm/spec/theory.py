@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
@@ -57,10 +57,6 @@ def break_even_alpha(k: int, c: float, tol: float = 1e-9) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if speedup(mid, k, c) < 1 else (lo, mid)
     return (lo + hi) / 2
-
-
-def best_k(alpha: float, c: float, k_max: int = 16) -> int:
-    return max(range(1, k_max + 1), key=lambda k: speedup(alpha, k, c))
 
 
 # --- the exact output distribution, by enumeration ------------------------------------------------
