@@ -230,3 +230,24 @@ class Transformer(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())     # tied weights count once
+
+
+class capture_hidden:
+    """Context manager: record the input rows of the model's final norm's output during a forward
+    (the hidden states at the logits rows). `.value` is [B, S, C] after the forward; None when
+    disabled (speculative decoding's Medusa heads read it, chapter 07)."""
+
+    def __init__(self, model, enabled: bool = True):
+        self.model, self.enabled, self.value, self._h = model, enabled, None, None
+
+    def __enter__(self):
+        if self.enabled:
+            self._h = self.model.norm.register_forward_hook(
+                lambda mod, inp, out: setattr(self, "value", out))
+        return self
+
+    def __exit__(self, *exc):
+        if self._h is not None:
+            self._h.remove()
+        return False
+

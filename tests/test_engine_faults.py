@@ -14,7 +14,7 @@ import torch
 
 import minillm
 from minillm import SamplingParams, configs
-from minillm.engine import LLMEngine, llm_engine, model_runner
+from minillm.engine import LLMEngine, model_runner
 from minillm.loader import random_model
 
 VOCAB = 256
@@ -100,14 +100,14 @@ def test_failing_sampling_fails_one_request(model, clean, monkeypatch):
 
 
 def test_failing_stop_check_fails_one_request_after_some_tokens(model, clean, monkeypatch):
-    real = LLMEngine._stop_reason
+    real = LLMEngine._check_stop
 
-    def stop_reason(self, req, token):
+    def stop_reason(self, req):
         if req.prompt_token_ids == PROMPTS[POISONED] and req.num_output_tokens == 4:
             raise TypeError("injected stop-check fault")
-        return real(self, req, token)
+        return real(self, req)
 
-    monkeypatch.setattr(LLMEngine, "_stop_reason", stop_reason)
+    monkeypatch.setattr(LLMEngine, "_check_stop", stop_reason)
     llm = make_llm(model)
     outs = llm.generate(PROMPTS, params(), use_tqdm=False)
     assert_isolated(llm, outs, clean, "injected stop-check fault")
@@ -182,15 +182,15 @@ def test_a_model_that_always_fails_fails_every_request_without_leaking(model, cl
 
 def test_interrupted_generate_aborts_its_requests(model, clean, monkeypatch):
     calls = {"n": 0}
-    real = model_runner.sample_tokens
+    real = model_runner.ModelRunner._sample
 
-    def sample_tokens(logits, rows):
+    def sample_tokens(self, *args):
         calls["n"] += 1
         if calls["n"] == 6:
             raise KeyboardInterrupt
-        return real(logits, rows)
+        return real(self, *args)
 
-    monkeypatch.setattr(llm_engine, "sample_tokens", sample_tokens)
+    monkeypatch.setattr(model_runner.ModelRunner, "_sample", sample_tokens)
     llm = make_llm(model)
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, params(), use_tqdm=False)
@@ -203,15 +203,15 @@ def test_interrupted_step_leaves_a_consistent_engine(model, clean, monkeypatch):
     """An exception escaping step() requeues the running requests for recompute: stepping on
     afterwards finishes everything with the clean tokens and frees every block."""
     calls = {"n": 0}
-    real = model_runner.ModelRunner.forward
+    real = model_runner.ModelRunner.run
 
-    def forward(self, step):
+    def forward(self, scheduled):
         calls["n"] += 1
         if calls["n"] in (4, 9):
             raise KeyboardInterrupt
-        return real(self, step)
+        return real(self, scheduled)
 
-    monkeypatch.setattr(model_runner.ModelRunner, "forward", forward)
+    monkeypatch.setattr(model_runner.ModelRunner, "run", forward)
     eng = make_llm(model).engine
     ps = params()
     for i, prompt in enumerate(PROMPTS):

@@ -201,7 +201,8 @@ def test_bad_input_fails_alone(model):
 def test_prefix_caching_is_the_default_and_can_be_switched_off(model):
     assert LLMEngine(model, None, num_kv_blocks=8).enable_prefix_caching
     off = minillm.LLM((model, None), num_kv_blocks=8, enable_prefix_caching=False)
-    assert not hasattr(off.engine.block_manager, "find_cached_blocks")
+    assert not off.engine.block_manager.enable_caching
+    assert off.engine.block_manager.find_cached_blocks(list(range(40))) == []
     assert off.reset_prefix_cache() == 0 and off.engine.prefix_cache_stats.hit_rate == 0.0
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from minillm.cache.contiguous import ContiguousKVCache
-from minillm.cache.paged import PagedKVCache
+from minillm.cache.blocks import BlockManager
+from minillm.cache.paged import PagedKVCache, SimplePagedKVCache, build_step_metadata
 from minillm.configs import get
 from minillm.loader import random_model
 
@@ -36,8 +37,8 @@ def test_simple_mode_matches_contiguous_cache(model, block_size, prompt_len):
     B, steps = 2, 6
     total = prompt_len + steps
     ref = ContiguousKVCache(TINY, batch_size=B, max_len=total)
-    paged = PagedKVCache(TINY, num_blocks=B * -(-total // block_size), block_size=block_size,
-                         batch_size=B)
+    paged = SimplePagedKVCache(TINY, num_blocks=B * -(-total // block_size), block_size=block_size,
+                               batch_size=B)
     ids = ids_of(B, prompt_len, seed=prompt_len)
     a, b = model(ids, cache=ref), model(ids, cache=paged)
     for _ in range(steps):
@@ -59,7 +60,7 @@ def test_simple_mode_matches_contiguous_cache(model, block_size, prompt_len):
 @torch.no_grad()
 def test_simple_mode_matches_full_forward_without_cache(model):
     ids = ids_of(1, 13, seed=5)
-    paged = PagedKVCache(TINY, num_blocks=4, block_size=4, batch_size=1)
+    paged = SimplePagedKVCache(TINY, num_blocks=4, block_size=4, batch_size=1)
     out = torch.cat([model(ids[:, :5], cache=paged), model(ids[:, 5:9], cache=paged),
                      model(ids[:, 9:], cache=paged)], dim=1)          # three chunks
     assert max_diff(out, model(ids)) <= TOL
@@ -68,7 +69,7 @@ def test_simple_mode_matches_full_forward_without_cache(model):
 @torch.no_grad()
 def test_fork_shares_the_prompt_and_copies_on_write(model):
     prompt = ids_of(1, 6, seed=1)                                    # 6 tokens, blocks of 4
-    paged = PagedKVCache(TINY, num_blocks=8, block_size=4, batch_size=1)
+    paged = SimplePagedKVCache(TINY, num_blocks=8, block_size=4, batch_size=1)
     logits = model(prompt, cache=paged)
     rows = [0, paged.fork(0), paged.fork(0)]
     assert rows == [0, 1, 2]
@@ -114,7 +115,7 @@ def test_engine_mode_ragged_steps_match_each_sequence_alone(model, block_size):
         bm.allocate("A", ea)
         bm.allocate("B", eb)
         positions = cache.prepare_step([("A", sa, ea), ("B", sb, eb)])
-        assert cache._step["is_decode_only"] == (i == 1)
+        assert cache._meta.is_decode_only == (i == 1)
         ids = torch.cat([a_ids[:, sa:ea], b_ids[:, sb:eb]], dim=1)    # [1, T_total]
         out = model(ids, positions=positions, cache=cache)
         assert max_diff(out[:, :ea - sa], ref_a[i]) <= TOL
@@ -128,13 +129,32 @@ def test_engine_mode_needs_a_step_and_positions(model):
         model(ids_of(1, 3), cache=cache)                             # reads cache.seq_len
     with pytest.raises(ValueError, match="set_step"):
         model(ids_of(1, 3), positions=torch.arange(3)[None], cache=cache)
-    with pytest.raises(ValueError, match="one token per sequence"):
-        cache.set_step([0, 1], [[0]], [2], [0, 2], is_decode_only=True)
+    with pytest.raises(ValueError, match="build_step_metadata"):
+        cache.set_step(build_step_metadata([(0, 2)]))                 # no block tables
+
+
+def test_step_metadata_is_built_once_by_one_pure_function():
+    bm = BlockManager(8, 4)
+    bm.allocate("a", 8)
+    bm.allocate("b", 5)
+    tables = [bm.block_table("a"), bm.block_table("b")]
+    meta = build_step_metadata([(7, 1), (0, 5)], tables, 4)
+    assert meta.positions.tolist() == [7, 0, 1, 2, 3, 4]
+    assert meta.cu_seqlens_q.tolist() == [0, 1, 6] and meta.seq_lens.tolist() == [8, 5]
+    assert meta.slot_mapping.tolist() == (bm.slot_mapping("a", 7, 8) + bm.slot_mapping("b", 0, 5))
+    assert meta.block_tables.tolist() == [tables[0], tables[1]] and not meta.is_decode_only
+    assert tables == [bm.block_table("a"), bm.block_table("b")]           # nothing mutated
+    with pytest.raises(Exception):
+        meta.positions = None                                               # frozen
+    with pytest.raises(ValueError, match="allocate its blocks first"):
+        build_step_metadata([(8, 1)], [tables[0]], 4)
+    with pytest.raises(ValueError, match="num_new >= 1"):
+        build_step_metadata([(0, 0)])
 
 
 @torch.no_grad()
 def test_simple_mode_out_of_blocks_is_a_clear_error(model):
-    cache = PagedKVCache(TINY, num_blocks=2, block_size=4, batch_size=2)
+    cache = SimplePagedKVCache(TINY, num_blocks=2, block_size=4, batch_size=2)
     model(ids_of(2, 4), cache=cache)
     with pytest.raises(ValueError, match="out of KV blocks"):
         model(ids_of(2, 1), cache=cache)
@@ -181,7 +201,7 @@ def test_triton_kernels_under_the_interpreter(model):
     """The same check through the Triton kernels (interpreted on CPU; compiled on a GPU)."""
     ids = ids_of(2, 6, seed=9)
     ref = ContiguousKVCache(TINY, batch_size=2, max_len=8)
-    paged = PagedKVCache(TINY, num_blocks=4, block_size=4, batch_size=2, impl="triton")
+    paged = SimplePagedKVCache(TINY, num_blocks=4, block_size=4, batch_size=2, impl="triton")
     a, b = model(ids, cache=ref), model(ids, cache=paged)
     assert max_diff(a, b) <= TOL
     for _ in range(2):

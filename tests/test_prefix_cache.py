@@ -323,5 +323,25 @@ def test_pool_is_a_block_pool():
     pool.decref(got[0])
     with pytest.raises(ValueError, match="double free"):
         pool.decref(got[0])
+    bm = PrefixCachingBlockManager(3, 2)
     with pytest.raises(ValueError, match="only full blocks"):
-        pool.cache_block(got[1], [1], None, None)
+        bm.prefix_cache.cache_block(0, [1], None, None)
+
+
+def test_caching_off_is_the_same_manager_finding_nothing():
+    """One manager: with caching off the lookup exists and finds nothing, registration is a
+    no-op, and the free queue is a plain FIFO (freed blocks go to the tail)."""
+    from minillm.cache.blocks import BlockManager
+    bm = BlockManager(4, 2)
+    bm.allocate("a", 4)
+    bm.cache_full_blocks("a", 4, lambda s, e: [1, 2, 3, 4][s:e])
+    assert bm.find_cached_blocks([1, 2, 3, 4, 5]) == [] and bm.num_cached_blocks == 0
+    first = bm.block_table("a")
+    bm.free("a")
+    assert list(bm.pool.free_blocks)[-2:] == first[::-1]
+    on = PrefixCachingBlockManager(4, 2)
+    on.allocate("a", 4)
+    on.cache_full_blocks("a", 4, lambda s, e: [1, 2, 3, 4][s:e])
+    before = (dict(on.pool.cached), list(on.pool.free_blocks), list(on.pool.refcounts))
+    assert on.find_cached_blocks([1, 2, 3, 4, 5]) == on.block_table("a")
+    assert before == (dict(on.pool.cached), list(on.pool.free_blocks), list(on.pool.refcounts))

@@ -9,22 +9,20 @@ does two things with the kernels of `minillm.kernels` (Triton on CUDA, PyTorch t
     paged_decode_attention(...)                        when every sequence brings ONE query
     paged_prefill_attention(...)                       otherwise (ragged, causal)
 
-Two ways to drive it:
+What a forward's batch looks like is one frozen `StepMetadata`, built by one pure function,
+`build_step_metadata`, from each sequence's span (num_computed, num_new) and block table. The
+engine's model runner builds it for the ragged batch of a step (ids [1, T_total] with explicit
+positions) and hands it to `set_step` before the forward; `prepare_step` does the same from the
+cache's own block manager for hand-driven experiments. The cache also copies blocks for
+copy-on-write (`copy_blocks`) and swaps blocks to and from a CPU pool.
 
-(a) simple mode, `PagedKVCache(cfg, num_blocks, block_size, batch_size=B)`: a drop-in for
-    ContiguousKVCache. `model(ids [B, T], cache=cache)` runs B sequences that advance together;
-    the cache grows their block tables as tokens arrive. `fork(row)` adds a batch row that
-    shares a row's blocks (parallel sampling); copy-on-write happens inside the cache.
-
-(b) engine mode, `PagedKVCache(cfg, num_blocks, block_size)`: the engine's model runner flattens
-    a step into ONE ragged batch, ids [1, T_total] with explicit positions, and describes it
-    with `set_step(...)` (or `prepare_step(spans)`, which builds those tensors from the block
-    manager) before the forward. It copies blocks for copy-on-write (`copy_blocks`) and swaps
-    blocks to and from a CPU pool (`swap_out_blocks` / `swap_in_blocks`) as the scheduler asks.
+`SimplePagedKVCache(cfg, num_blocks, block_size, batch_size=B)` is a drop-in for chapter 01's
+ContiguousKVCache: B sequences that advance together, no metadata to build by hand.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -34,10 +32,73 @@ from ..configs import ModelConfig
 from .blocks import BlockManager
 
 
+@dataclass(frozen=True)
+class StepMetadata:
+    """One forward's ragged batch of B sequences and T tokens, as attention needs it.
+
+    request       A (decode)   B (prefill chunk of 4)   C (decode)
+    positions     [7,           0  1  2  3,              12]        [T]
+    slot_mapping  where each token's K/V goes: block * block_size + offset   [T]
+    cu_seqlens_q  [0, 1, 5, 6]   sequence b owns query rows cu[b] : cu[b + 1]   [B + 1]
+    seq_lens      [8, 4, 13]     keys each sequence attends over, this step's included   [B]
+    block_tables  [B, max_blocks] each sequence's blocks, padded with 0
+    """
+    positions: torch.Tensor                 # [T] int64
+    cu_seqlens_q: torch.Tensor              # [B + 1] int32
+    seq_lens: torch.Tensor                  # [B] int32
+    slot_mapping: Optional[torch.Tensor]    # [T] int64 (None: built without block tables)
+    block_tables: Optional[torch.Tensor]    # [B, max_blocks] int32
+    is_decode_only: bool                    # every sequence brings one token: the decode kernel
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+def build_step_metadata(spans, block_tables=None, block_size: Optional[int] = None,
+                        device="cpu") -> StepMetadata:
+    """spans: [(num_computed, num_new)] per sequence: this step computes positions
+    [num_computed, num_computed + num_new). block_tables: each sequence's block ids (covering
+    those positions), or None for the query-side fields only. Pure: reads, never mutates."""
+    positions, seq_lens, cu = [], [], [0]
+    for c, n in spans:
+        if c < 0 or n < 1:
+            raise ValueError(f"span (num_computed={c}, num_new={n}): num_computed must be >= 0 "
+                             "and num_new >= 1")
+        positions += range(c, c + n)
+        seq_lens.append(c + n)
+        cu.append(cu[-1] + n)
+    if not seq_lens:
+        raise ValueError("a step needs at least one sequence")
+    slots = tables = None
+    if block_tables is not None:
+        bs = block_size
+        tables = [list(t[:-(-end // bs)]) for t, end in zip(block_tables, seq_lens)]
+        for i, (t, end) in enumerate(zip(tables, seq_lens)):
+            if len(t) * bs < end:
+                raise ValueError(f"sequence {i}'s block table holds {len(t) * bs} tokens but the "
+                                 f"step reaches position {end - 1}; allocate its blocks first")
+        slots = [t[p // bs] * bs + p % bs for t, (c, n) in zip(tables, spans)
+                 for p in range(c, c + n)]
+        width = max(len(t) for t in tables)
+        tables = [t + [0] * (width - len(t)) for t in tables]    # pad; kernels read < seq_len
+        slots = torch.tensor(slots, dtype=torch.long, device=device)
+        tables = torch.tensor(tables, dtype=torch.int32, device=device)
+    return StepMetadata(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        slot_mapping=slots, block_tables=tables,
+        is_decode_only=all(n == 1 for _, n in spans))
+
+
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
-                 batch_size: Optional[int] = None, dtype: torch.dtype = torch.float32,
-                 device="cpu", num_cpu_blocks: int = 0,
+                 dtype: torch.dtype = torch.float32, device="cpu", num_cpu_blocks: int = 0,
                  block_manager: Optional[BlockManager] = None, impl: Optional[str] = None):
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)   # [L, num_blocks, bs, KVH, D]
@@ -56,11 +117,9 @@ class PagedKVCache:
         pin = torch.device(device).type == "cuda"
         self.cpu_k = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)   # swap space
         self.cpu_v = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
-        # simple mode: batch row i is sequence self.seq_ids[i]; None means engine mode
-        self.batch_size = batch_size
-        self.seq_ids = list(range(batch_size)) if batch_size is not None else None
-        self._seq_len = 0
-        self._step = None                                 # this forward's tensors (see set_step)
+        self._meta: Optional[StepMetadata] = None         # this forward's batch (see set_step)
+        self._checked = False                             # first layer checked the tables
+        self._plan = None                                 # batched CPU path's gather plan
 
     @property
     def device(self) -> torch.device:
@@ -74,131 +133,72 @@ class PagedKVCache:
     # -- the seam ---------------------------------------------------------------------------
     @property
     def seq_len(self) -> int:
-        if self.seq_ids is None:
-            raise ValueError("engine mode has no single seq_len: pass positions= to the model "
-                             "(or build the cache with batch_size=B for simple mode)")
-        return self._seq_len
+        raise ValueError("a paged cache holds sequences of different lengths: pass positions= to "
+                         "the model (or use SimplePagedKVCache for B rows that advance together)")
 
-    def attend(self, layer: int, q, k, v):
-        """q [B, T, H, D], k/v [B, T, KVH, D] -> [B, T, H, D] (engine mode: B == 1, ragged T)."""
-        if self._step is None:
-            if self.seq_ids is None:
-                raise ValueError("engine mode: call set_step(...) or prepare_step(...) before "
-                                 "each forward")
-            self._grow(q.shape[0], q.shape[1])
-        step = self._step
-        q_flat = q.reshape(-1, q.shape[2], q.shape[3])            # [num_tokens, H, D]
-        k_flat = k.reshape(-1, k.shape[2], k.shape[3])            # [num_tokens, KVH, D]
-        v_flat = v.reshape(-1, v.shape[2], v.shape[3])
-        if q_flat.shape[0] != step["slot_mapping"].shape[0]:
-            raise ValueError(f"the forward brings {q_flat.shape[0]} tokens but the step was set "
-                             f"up for {step['slot_mapping'].shape[0]}")
-        check = not step["checked"]                               # check the tables once per step
-        step["checked"] = True
-        k_cache, v_cache = self.k[layer], self.v[layer]           # [num_blocks, bs, KVH, D]
-        if not check and kernels.choose_impl(self.impl, self.device) == "torch":
-            # The first layer checked this step's tensors through the public kernels; the
-            # others reuse one plan (gather rows, masks) of the batched CPU path.
-            if "plan" not in step:
-                step["plan"] = self._plan(step)
-            kernels.reference.store_kv(k_flat, v_flat, k_cache, v_cache, step["slot_mapping"])
-            out = kernels.batched.run(step["plan"], q_flat, k_cache, v_cache, self.scale)
-            return out.view(q.shape)                              # [B, T, H, D]
-        kernels.store_kv(k_flat, v_flat, k_cache, v_cache, step["slot_mapping"],
-                         impl=self.impl, check_values=check)
-        if step["is_decode_only"]:
-            out = kernels.paged_decode_attention(q_flat, k_cache, v_cache, step["block_tables"],
-                                                 step["seq_lens"], self.scale, impl=self.impl,
-                                                 check_values=check)
-        else:
-            out = kernels.paged_prefill_attention(q_flat, k_cache, v_cache, step["cu_seqlens_q"],
-                                                  step["seq_lens"], step["block_tables"],
-                                                  self.scale, impl=self.impl, check_values=check)
-        return out.view(q.shape)                                  # [B, T, H, D]
-
-    def _plan(self, step):
-        if step["is_decode_only"]:
-            return kernels.batched.plan_decode(step["block_tables"], step["seq_lens"],
-                                               self.block_size)
-        return kernels.batched.plan_prefill(step["cu_seqlens_q"], step["seq_lens"],
-                                            step["block_tables"], self.block_size)
-
-    def advance(self, num_tokens: int) -> None:
-        if self.seq_ids is not None:
-            self._seq_len += num_tokens
-        self._step = None                                         # the next forward needs a new step
-
-    # -- engine mode --------------------------------------------------------------------------
-    def set_step(self, slot_mapping, block_tables, seq_lens, cu_seqlens_q, is_decode_only: bool):
-        """Describe the next forward's ragged batch of num_seqs sequences and T_total tokens.
-
-        slot_mapping [T_total]: where each token's K/V goes; block_tables [num_seqs, max_blocks];
-        seq_lens [num_seqs]: each sequence's tokens including this step's; cu_seqlens_q
-        [num_seqs + 1]: sequence b owns tokens cu[b]:cu[b + 1], its LAST ones; is_decode_only:
-        every sequence brings exactly one token (the decode kernel runs).
-        """
-        dev = self.device
-        step = {"slot_mapping": torch.as_tensor(slot_mapping, dtype=torch.long, device=dev),
-                "block_tables": torch.as_tensor(block_tables, dtype=torch.int32, device=dev),
-                "seq_lens": torch.as_tensor(seq_lens, dtype=torch.int32, device=dev),
-                "cu_seqlens_q": torch.as_tensor(cu_seqlens_q, dtype=torch.int32, device=dev),
-                "is_decode_only": bool(is_decode_only), "checked": False}
-        num_seqs, num_tokens = step["seq_lens"].shape[0], step["slot_mapping"].shape[0]
-        if is_decode_only and num_tokens != num_seqs:
-            raise ValueError(f"is_decode_only needs one token per sequence, got {num_tokens} tokens "
-                             f"for {num_seqs} sequences; pass is_decode_only=False")
-        self._step = step
+    def set_step(self, meta: StepMetadata) -> None:
+        """Describe the next forward's ragged batch (built by build_step_metadata)."""
+        if not isinstance(meta, StepMetadata) or meta.slot_mapping is None:
+            raise ValueError("set_step takes a StepMetadata with block tables: build it with "
+                             "build_step_metadata(spans, block_tables, block_size)")
+        self._meta, self._checked, self._plan = meta, False, None
 
     def prepare_step(self, spans) -> torch.Tensor:
         """spans: [(seq_id, start, end)]: this step computes positions [start, end) of each
         sequence, whose blocks the block manager already holds. Calls set_step and returns
         the positions [1, T_total] to pass to the model."""
         bm = self.block_manager
-        slots, tables, seq_lens, cu, positions = [], [], [], [0], []
         for seq_id, start, end in spans:
             if not 0 <= start < end:
                 raise ValueError(f"sequence {seq_id!r}: span [{start}, {end}) must hold >= 1 token")
-            slots += bm.slot_mapping(seq_id, start, end)
-            tables.append(bm.block_table(seq_id)[:-(-end // self.block_size)])
-            seq_lens.append(end)
-            cu.append(cu[-1] + end - start)
-            positions += range(start, end)
-        width = max(len(t) for t in tables)
-        tables = [t + [0] * (width - len(t)) for t in tables]    # pad; kernels read < seq_len
-        self.set_step(slots, tables, seq_lens, cu, all(e - s == 1 for _, s, e in spans))
-        return torch.tensor([positions], dtype=torch.long, device=self.device)
+        meta = build_step_metadata([(start, end - start) for _, start, end in spans],
+                                   [bm.block_table(seq_id) for seq_id, _, _ in spans],
+                                   self.block_size, self.device)
+        self.set_step(meta)
+        return meta.positions[None]
 
-    # -- simple mode --------------------------------------------------------------------------
-    def _grow(self, batch: int, num_tokens: int) -> None:
-        """Simple mode: every row gets num_tokens more; build this forward's step."""
-        if batch != len(self.seq_ids):
-            raise ValueError(f"the cache holds {len(self.seq_ids)} sequences but the batch has "
-                             f"{batch} rows")
-        bm, start, end = self.block_manager, self._seq_len, self._seq_len + num_tokens
-        need = sum(bm.blocks_needed(s, end) for s in self.seq_ids)
-        if need > bm.num_free_blocks:
-            raise ValueError(f"out of KV blocks: this step needs {need}, {bm.num_free_blocks} free; "
-                             "create the cache with more blocks")
-        for s in self.seq_ids:
-            self.copy_blocks(bm.allocate(s, end))
-        self.prepare_step([(s, start, end) for s in self.seq_ids])
+    def attend(self, layer: int, q, k, v):
+        """q [1, T, H, D], k/v [1, T, KVH, D] (the step's ragged row) -> [1, T, H, D]."""
+        meta = self._meta
+        if meta is None:
+            raise ValueError("call set_step(build_step_metadata(...)) or prepare_step(...) before "
+                             "each forward")
+        q_flat = q.reshape(-1, q.shape[2], q.shape[3])            # [num_tokens, H, D]
+        k_flat = k.reshape(-1, k.shape[2], k.shape[3])            # [num_tokens, KVH, D]
+        v_flat = v.reshape(-1, v.shape[2], v.shape[3])
+        if q_flat.shape[0] != meta.num_tokens:
+            raise ValueError(f"the forward brings {q_flat.shape[0]} tokens but the step was set "
+                             f"up for {meta.num_tokens}")
+        k_cache, v_cache = self.k[layer], self.v[layer]           # [num_blocks, bs, KVH, D]
+        if self._checked and kernels.choose_impl(self.impl, self.device) == "torch":
+            # The first layer checked this step's tensors through the public kernels; the
+            # others reuse one plan (gather rows, masks) of the batched CPU path.
+            if self._plan is None:
+                self._plan = self._make_plan(meta)
+            kernels.reference.store_kv(k_flat, v_flat, k_cache, v_cache, meta.slot_mapping)
+            out = kernels.batched.run(self._plan, q_flat, k_cache, v_cache, self.scale)
+            return out.view(q.shape)                              # [1, T, H, D]
+        check, self._checked = not self._checked, True            # check the tables once per step
+        kernels.store_kv(k_flat, v_flat, k_cache, v_cache, meta.slot_mapping,
+                         impl=self.impl, check_values=check)
+        if meta.is_decode_only:
+            out = kernels.paged_decode_attention(q_flat, k_cache, v_cache, meta.block_tables,
+                                                 meta.seq_lens, self.scale, impl=self.impl,
+                                                 check_values=check)
+        else:
+            out = kernels.paged_prefill_attention(q_flat, k_cache, v_cache, meta.cu_seqlens_q,
+                                                  meta.seq_lens, meta.block_tables,
+                                                  self.scale, impl=self.impl, check_values=check)
+        return out.view(q.shape)                                  # [1, T, H, D]
 
-    def fork(self, row: int) -> int:
-        """Simple mode: add a batch row that shares row's blocks; returns the new row index."""
-        if self.seq_ids is None:
-            raise ValueError("fork(row) is for simple mode; in engine mode use block_manager.fork")
-        child = max(self.seq_ids) + 1
-        self.block_manager.fork(self.seq_ids[row], child)
-        self.seq_ids.append(child)
-        return len(self.seq_ids) - 1
+    def _make_plan(self, meta: StepMetadata):
+        if meta.is_decode_only:
+            return kernels.batched.plan_decode(meta.block_tables, meta.seq_lens, self.block_size)
+        return kernels.batched.plan_prefill(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+                                            self.block_size)
 
-    def reset(self) -> None:
-        """Simple mode: free every sequence and start again with batch_size empty rows."""
-        for s in self.seq_ids or []:
-            if self.block_manager.has(s):
-                self.block_manager.free(s)
-        self.seq_ids = list(range(self.batch_size)) if self.batch_size is not None else None
-        self._seq_len, self._step = 0, None
+    def advance(self, num_tokens: int) -> None:
+        self._meta = None                                         # the next forward needs a new step
 
     # -- block copies ---------------------------------------------------------------------------
     def copy_blocks(self, pairs) -> None:
@@ -234,3 +234,63 @@ class PagedKVCache:
         if pairs:
             cpu = torch.tensor([c for c, _ in pairs], dtype=torch.long)
             self.swap_in([g for _, g in pairs], self.cpu_k[:, cpu], self.cpu_v[:, cpu])
+
+
+class SimplePagedKVCache(PagedKVCache):
+    """Chapter 03's drop-in for ContiguousKVCache: `model(ids [B, T], cache=cache)` runs B
+    sequences that advance together, and the cache grows their block tables as tokens arrive.
+    `fork(row)` adds a batch row that shares a row's blocks (parallel sampling); copy-on-write
+    happens inside the cache. Each forward builds its StepMetadata like the engine's does."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, batch_size: int,
+                 **kwargs):
+        super().__init__(cfg, num_blocks, block_size, **kwargs)
+        self.batch_size = batch_size
+        self.seq_ids = list(range(batch_size))              # batch row i is sequence seq_ids[i]
+        self._seq_len = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    def attend(self, layer: int, q, k, v):
+        """q [B, T, H, D], k/v [B, T, KVH, D] -> [B, T, H, D]: the B rows laid end to end."""
+        if self._meta is None:
+            self._grow(q.shape[0], q.shape[1])
+        B, T = q.shape[:2]
+        out = super().attend(layer, q.reshape(1, B * T, *q.shape[2:]),
+                             k.reshape(1, B * T, *k.shape[2:]), v.reshape(1, B * T, *v.shape[2:]))
+        return out.view(q.shape)
+
+    def advance(self, num_tokens: int) -> None:
+        self._seq_len += num_tokens
+        super().advance(num_tokens)
+
+    def _grow(self, batch: int, num_tokens: int) -> None:
+        """Every row gets num_tokens more; build this forward's step."""
+        if batch != len(self.seq_ids):
+            raise ValueError(f"the cache holds {len(self.seq_ids)} sequences but the batch has "
+                             f"{batch} rows")
+        bm, start, end = self.block_manager, self._seq_len, self._seq_len + num_tokens
+        need = sum(bm.blocks_needed(s, end) for s in self.seq_ids)
+        if need > bm.num_free_blocks:
+            raise ValueError(f"out of KV blocks: this step needs {need}, {bm.num_free_blocks} free; "
+                             "create the cache with more blocks")
+        for s in self.seq_ids:
+            self.copy_blocks(bm.allocate(s, end))
+        self.prepare_step([(s, start, end) for s in self.seq_ids])
+
+    def fork(self, row: int) -> int:
+        """Add a batch row that shares row's blocks; returns the new row index."""
+        child = max(self.seq_ids) + 1
+        self.block_manager.fork(self.seq_ids[row], child)
+        self.seq_ids.append(child)
+        return len(self.seq_ids) - 1
+
+    def reset(self) -> None:
+        """Free every sequence and start again with batch_size empty rows."""
+        for s in self.seq_ids:
+            if self.block_manager.has(s):
+                self.block_manager.free(s)
+        self.seq_ids = list(range(self.batch_size))
+        self._seq_len, self._meta = 0, None

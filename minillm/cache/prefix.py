@@ -35,7 +35,6 @@ Names follow vLLM v1 (block_pool.py, kv_cache_manager.py, `hash_block_tokens`,
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -75,100 +74,6 @@ class CachedBlock:
                 and (parent is not None or self.cache_salt == cache_salt))
 
 
-class PrefixCachingBlockPool(BlockPool):
-    """A BlockPool whose free blocks keep their cached contents until they are reused.
-
-    free_blocks is an OrderedDict used as a queue: head = next to be taken. Every block with
-    refcount 0 is in it exactly once; a block in it that has a key is "cached, evictable".
-    """
-
-    def __init__(self, num_blocks: int, block_size: int):
-        super().__init__(num_blocks, block_size)
-        self.free_blocks = OrderedDict((b, None) for b in range(num_blocks))
-        self.cached: dict = {}                          # key -> CachedBlock
-        self.block_entry: list = [None] * num_blocks    # block id -> its CachedBlock or None
-        self.num_evictions = 0
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self.cached)
-
-    @property
-    def num_evictable_blocks(self) -> int:
-        """Free blocks that still hold a cached prefix."""
-        return sum(self.block_entry[b] is not None for b in self.free_blocks)
-
-    def allocate(self) -> int:
-        """Take the least recently used free block; if it held a cached prefix, forget it."""
-        if not self.free_blocks:
-            raise ValueError(f"out of KV blocks: all {self.num_blocks} blocks are in use; free or "
-                             "preempt a sequence, or create the pool with more blocks")
-        block_id, _ = self.free_blocks.popitem(last=False)
-        self._drop_key(block_id)
-        self.refcounts[block_id] = 1
-        return block_id
-
-    def _drop_key(self, block_id: int) -> None:
-        entry = self.block_entry[block_id]
-        if entry is not None:
-            del self.cached[entry.key]
-            self.block_entry[block_id] = None
-            self.num_evictions += 1
-
-    def touch(self, block_id: int) -> None:
-        """A prefix hit takes a reference: a free cached block comes back out of the queue."""
-        self._check(block_id)
-        if self.refcounts[block_id] == 0:
-            del self.free_blocks[block_id]              # O(1)
-        self.refcounts[block_id] += 1
-
-    def decref(self, block_id: int) -> None:
-        self._check(block_id)
-        if self.refcounts[block_id] == 0:
-            raise ValueError(f"block {block_id} is already free (double free?)")
-        self.refcounts[block_id] -= 1
-        if self.refcounts[block_id] == 0:
-            self.free_blocks[block_id] = None           # tail: most recently used
-            if self.block_entry[block_id] is None:      # nothing worth keeping: reuse it first
-                self.free_blocks.move_to_end(block_id, last=False)
-
-    def get_cached_block(self, key: int) -> Optional[CachedBlock]:
-        return self.cached.get(key)
-
-    def cache_block(self, block_id: int, token_ids, parent: Optional[CachedBlock],
-                    cache_salt: Optional[str]) -> Optional[CachedBlock]:
-        """Register a full, computed block under its chained key. Returns the entry that now
-        names this prefix: the new one, or an equal one another block already holds (then this
-        block stays a private duplicate), or None when a different prefix owns the key (a hash
-        collision: the block is simply not cached)."""
-        self._check(block_id)
-        if len(token_ids) != self.block_size:
-            raise ValueError(f"only full blocks are cached: block {block_id} got {len(token_ids)} "
-                             f"tokens, block_size is {self.block_size}")
-        key = hash_block_tokens(None if parent is None else parent.key, token_ids, cache_salt)
-        old = self.cached.get(key)
-        if old is not None:
-            return old if old.matches(token_ids, parent, cache_salt) else None
-        if self.block_entry[block_id] is not None:
-            raise ValueError(f"block {block_id} already holds a cached prefix; a full block is "
-                             "cached once")
-        entry = CachedBlock(key, tuple(token_ids), parent, cache_salt, block_id)
-        self.cached[key] = entry
-        self.block_entry[block_id] = entry
-        return entry
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix held by a free block (in-use blocks keep theirs: their
-        requests still read them). Returns how many were dropped."""
-        dropped = [b for b in self.free_blocks if self.block_entry[b] is not None]
-        for b in dropped:
-            entry = self.block_entry[b]
-            del self.cached[entry.key]
-            self.block_entry[b] = None
-            self.free_blocks.move_to_end(b, last=False)
-        return len(dropped)
-
-
 def num_cacheable_blocks(num_tokens: int, block_size: int) -> int:
     """How many leading full blocks a hit may cover for a sequence of num_tokens tokens: full
     blocks only, and never the last token (it must be computed to get its logits)."""
@@ -192,11 +97,9 @@ class PrefixCacheStats:
         self.hits += num_cached_tokens
 
 
-class PrefixCachingBlockManager(BlockManager):
-    """Chapter 03's BlockManager over a PrefixCachingBlockPool.
-
-    The scheduler's calls stay the same (`can_allocate`, `allocate`, `fork`, `free`); admission
-    adds one lookup:
+class PrefixCache:
+    """The prefix-cache side of a BlockManager built with enable_caching=True: lookups over the
+    pool's index, registration of computed full blocks, and each sequence's chain of entries.
 
         hits = bm.find_cached_blocks(token_ids, cache_salt)    # longest cached prefix, in blocks
         if bm.can_allocate(seq_id, num_tokens, hits):
@@ -211,9 +114,10 @@ class PrefixCachingBlockManager(BlockManager):
     among them waits (`is_computing`) and hits once the block is cached.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
-        super().__init__(num_blocks, block_size)
-        self.pool = PrefixCachingBlockPool(num_blocks, block_size)
+    def __init__(self, manager):
+        self.manager = manager
+        self.pool = manager.pool
+        self.block_size = manager.block_size
         self.entries: dict = {}          # seq_id -> [CachedBlock] naming its leading full blocks
         self.chain_broken: set = set()   # seq_ids whose next block cannot be cached (collision)
         self.pending: dict = {}          # key of a full block being computed now -> seq_id
@@ -271,43 +175,23 @@ class PrefixCachingBlockManager(BlockManager):
         if not todo:
             self.pending_by_seq.pop(seq_id, None)
 
-    # --- allocation ------------------------------------------------------------------------------
-    def blocks_needed(self, seq_id, num_tokens: int, cached_blocks=()) -> int:
-        """Free-queue blocks that growing seq_id to num_tokens would take. A new sequence that
-        starts on cached_blocks needs fresh blocks only after them, but each hit block that is
-        free still leaves the free queue."""
-        if not cached_blocks:
-            return super().blocks_needed(seq_id, num_tokens)
-        if seq_id in self.tables:
-            raise ValueError(f"sequence {seq_id!r} already has a block table; prefix hits are for "
-                             "a new sequence")
-        if len(cached_blocks) * self.block_size >= num_tokens:
-            raise ValueError(f"{len(cached_blocks)} cached blocks already hold {num_tokens} tokens; "
-                             "a hit leaves at least one token to compute (see find_cached_blocks)")
-        fresh = max(0, -(-num_tokens // self.block_size) - len(cached_blocks))
-        revived = sum(self.pool.refcount(b) == 0 for b in cached_blocks)
-        return fresh + revived
-
-    def can_allocate(self, seq_id, num_tokens: int, cached_blocks=()) -> bool:
-        return self.blocks_needed(seq_id, num_tokens, cached_blocks) <= self.pool.num_free_blocks
-
-    def allocate(self, seq_id, num_tokens: int, cached_blocks=()) -> list[tuple[int, int]]:
-        """Grow seq_id to num_tokens. A new sequence may start on cached_blocks (from
-        find_cached_blocks): they are shared by reference and never written."""
-        if cached_blocks:
-            need = self.blocks_needed(seq_id, num_tokens, cached_blocks)
-            if need > self.pool.num_free_blocks:
-                raise ValueError(f"out of KV blocks: sequence {seq_id!r} needs {need} more, "
-                                 f"{self.pool.num_free_blocks} free; check can_allocate first")
-            for b in cached_blocks:
-                self.pool.touch(b)
-            self.tables[seq_id] = list(cached_blocks)
-            self.lengths[seq_id] = len(cached_blocks) * self.block_size
-            self.entries[seq_id] = [self.pool.block_entry[b] for b in cached_blocks]
-        table, n = self.tables.get(seq_id, []), self.lengths.get(seq_id, 0)
-        if num_tokens > n and n % self.block_size:          # writes go into the last block
-            assert self.pool.block_entry[table[-1]] is None, "a cached (full) block is never written"
-        return super().allocate(seq_id, num_tokens)
+    # --- registration ------------------------------------------------------------------------------
+    def cache_block(self, block_id: int, token_ids, parent: Optional[CachedBlock],
+                    cache_salt: Optional[str]) -> Optional[CachedBlock]:
+        """Register a full, computed block under its chained key. Returns the entry that now
+        names this prefix: the new one, or an equal one another block already holds (then this
+        block stays a private duplicate), or None when a different prefix owns the key (a hash
+        collision: the block is simply not cached)."""
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"only full blocks are cached: block {block_id} got {len(token_ids)} "
+                             f"tokens, block_size is {self.block_size}")
+        key = hash_block_tokens(None if parent is None else parent.key, token_ids, cache_salt)
+        old = self.pool.get_cached_block(key)
+        if old is not None:
+            return old if old.matches(token_ids, parent, cache_salt) else None
+        entry = CachedBlock(key, tuple(token_ids), parent, cache_salt, block_id)
+        self.pool.register(block_id, entry)
+        return entry
 
     def cache_full_blocks(self, seq_id, num_computed_tokens: int,
                           token_ids: Callable[[int, int], list],
@@ -316,14 +200,13 @@ class PrefixCachingBlockManager(BlockManager):
         token_ids(start, end) returns the sequence's tokens; cache_salt must be the one its
         lookup used. Returns how many blocks were added to the cache."""
         entries = self.entries.setdefault(seq_id, [])
-        table, bs = self._table(seq_id), self.block_size
-        full = min(num_computed_tokens, self.lengths[seq_id]) // bs
+        table, bs = self.manager._table(seq_id), self.block_size
+        full = min(num_computed_tokens, self.manager.lengths[seq_id]) // bs
         added = 0
         while len(entries) < full and seq_id not in self.chain_broken:
             i = len(entries)
             parent = entries[-1] if entries else None
-            entry = self.pool.cache_block(table[i], token_ids(i * bs, (i + 1) * bs), parent,
-                                          cache_salt)
+            entry = self.cache_block(table[i], token_ids(i * bs, (i + 1) * bs), parent, cache_salt)
             if entry is None:                               # collision: stop caching this one
                 self.chain_broken.add(seq_id)
                 break
@@ -332,25 +215,35 @@ class PrefixCachingBlockManager(BlockManager):
         self._clear_pending(seq_id, None if seq_id in self.chain_broken else len(entries))
         return added
 
-    def fork(self, parent_id, child_id) -> None:
-        super().fork(parent_id, child_id)
+    # --- the manager's hooks -------------------------------------------------------------------
+    def on_allocate(self, seq_id, cached_blocks) -> None:
+        self.entries[seq_id] = [self.pool.block_entry[b] for b in cached_blocks]
+
+    def on_fork(self, parent_id, child_id) -> None:
         self.entries[child_id] = list(self.entries.get(parent_id, []))
         if parent_id in self.chain_broken:
             self.chain_broken.add(child_id)
 
-    def free(self, seq_id) -> None:
-        super().free(seq_id)                                 # tail first: deepest evicted first
+    def on_free(self, seq_id) -> None:
         self.entries.pop(seq_id, None)
         self._clear_pending(seq_id)
         self.chain_broken.discard(seq_id)
 
-    def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
 
-    @property
-    def num_cached_blocks(self) -> int:
-        return self.pool.num_cached_blocks
+class PrefixCachingBlockManager(BlockManager):
+    """Chapter 03's BlockManager with prefix caching on: `BlockManager(..., enable_caching=True)`
+    under the name chapter 06 uses. Same methods, same signatures."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size, enable_caching=True)
 
 
-__all__ = ["hash_block_tokens", "CachedBlock", "PrefixCachingBlockPool",
-           "PrefixCachingBlockManager", "PrefixCacheStats", "num_cacheable_blocks"]
+class PrefixCachingBlockPool(BlockPool):
+    """`BlockPool(..., enable_caching=True)` under the name chapter 06 uses."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        super().__init__(num_blocks, block_size, enable_caching=True)
+
+
+__all__ = ["hash_block_tokens", "CachedBlock", "PrefixCache", "PrefixCachingBlockManager",
+           "PrefixCachingBlockPool", "PrefixCacheStats", "num_cacheable_blocks"]

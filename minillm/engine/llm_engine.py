@@ -1,23 +1,29 @@
-"""The engine loop: add requests, step, collect finished outputs (chapter 04).
+"""The engine loop: add requests, step, collect outputs (chapter 04).
 
     engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
     while engine.has_unfinished():
         for out in engine.step():          # outputs of the requests that finished in this step
             print(out.request_id, out.text)
 
-One `step()` is one iteration of iteration-level scheduling:
-  1. the scheduler picks (request, num_new_tokens) pairs within the token budget and plans block
-     copies (swap out, swap in, copy-on-write);
-  2. the model runner does the copies, runs ONE forward pass over the ragged batch of all
-     scheduled tokens, and returns logits for the requests whose step reaches their last token;
-  3. the engine forks n > 1 requests after their prompt, samples one token per sequence with its
-     own generator, appends it, and finishes sequences on a stop token, a stop string or
-     max_tokens, freeing their blocks at once so the next step can use them.
+One `step()` is one iteration of iteration-level scheduling, in three calls (vLLM v1's
+schedule -> execute_model -> update_from_output, nano-vllm's schedule / run / postprocess):
 
-Prefix caching (chapter 06, on by default as in vLLM): the block manager is a
-`PrefixCachingBlockManager`; the scheduler looks up cached prefixes at admission and, after each
-forward, the engine registers the blocks that became full (`cache_full_blocks`). The cache lives
-as long as the engine. `engine.prefix_cache_stats` counts looked-up and hit prompt tokens.
+    sched  = scheduler.schedule()                  who computes how many tokens; block copies;
+                                                   the n > 1 siblings forked this step
+    result = runner.execute(sched)                 copies, ONE forward over the ragged batch,
+                                                   sampled (or verified) tokens per sequence
+    update = scheduler.update_from_output(...)     append, roll back rejected drafts, stop,
+                                                   register full blocks, free finished requests
+
+then, with speculative decoding (chapter 07), the proposer drafts the next tokens of every
+request that keeps decoding (`propose`: a proposer that proposes nothing when speculation is
+off). `step_outputs()` returns the same step as a StepOutput: the finished requests' outputs,
+the new tokens of every sequence that got some (TokenDelta, what a server streams) and a
+StepStats snapshot (what a metrics exporter reads).
+
+Prefix caching (chapter 06, on by default as in vLLM) is a flag of the block manager; the
+cache lives as long as the engine. `engine.prefix_cache_stats` counts looked-up and hit prompt
+tokens.
 
 Bad input raises ValueError from `add_request` (the request is not added; nothing else is
 affected). `LLM.generate` turns that into an output with finish_reason "error".
@@ -32,21 +38,21 @@ recompute, so the engine stays consistent: abort what you no longer want, or ste
 from __future__ import annotations
 
 import collections
-import itertools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from ..cache.blocks import BlockManager, BlockPool
-from ..cache.prefix import PrefixCacheStats, PrefixCachingBlockManager
-from ..generate import Prompt, check_context_room, prompt_token_ids
+from ..cache.prefix import PrefixCacheStats
+from ..generate import Prompt, check_context_room, prompt_token_ids, stop_reason
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
-from .model_runner import ModelRunner, kv_blocks_for_memory, sample_tokens
+from .model_runner import ModelRunner, kv_blocks_for_memory
 from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenDelta
 from .request import Request
-from .scheduler import Scheduler
+from .scheduler import Scheduler, StepUpdate
+from .spec_decode import DraftRequest, build_proposer, check_drafts, parse_speculative_config, room
 
 
 
@@ -82,7 +88,6 @@ class LLMEngine:
                  clock=None, max_step_stats: int = 100_000,
                  speculative_config: Optional[dict] = None):
         if speculative_config is not None:       # chapter 07; validated before anything else
-            from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
         if int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
@@ -94,6 +99,33 @@ class LLMEngine:
             num_kv_blocks = kv_blocks_for_memory(model, block_size, max_num_seqs)
         if int(num_kv_blocks) != num_kv_blocks or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks}")
+        num_cpu_blocks = self._check_cpu_blocks(num_cpu_blocks, num_kv_blocks, preemption)
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, self.enable_prefix_caching)
+        self.prefix_cache_stats = PrefixCacheStats()     # prompt tokens looked up / hit
+        self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
+                                   enable_chunked_prefill, scheduling, preemption,
+                                   cpu_pool=self.cpu_pool, clock=self.clock,
+                                   prefix_cache_stats=self.prefix_cache_stats)
+        self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
+        self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
+                                  num_cpu_blocks, needs_hidden=self.proposer.needs_hidden)
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.eos_token_id = eos if eos is not None else self.config.eos_token_id
+        self.groups: dict = {}                   # request_id -> [Request], sample 0 first
+        self._arrivals = 0
+        self._unreturned: list = []              # finished request ids (abort...) not yet returned
+        self.step_stats = collections.deque(maxlen=max_step_stats)
+        self.spec_stats = None                   # SpecStats when speculating (chapter 07)
+        if speculative_config is not None:
+            from ..spec.stats import SpecStats
+            self.spec_stats = SpecStats()
+
+    @staticmethod
+    def _check_cpu_blocks(num_cpu_blocks, num_kv_blocks: int, preemption: str) -> int:
         if num_cpu_blocks is None:
             num_cpu_blocks = num_kv_blocks if preemption == "swap" else 0
         if (isinstance(num_cpu_blocks, bool) or not isinstance(num_cpu_blocks, int)
@@ -103,30 +135,7 @@ class LLMEngine:
         if preemption == "swap" and num_cpu_blocks == 0:
             raise ValueError("preemption='swap' needs a CPU swap pool: pass num_cpu_blocks >= 1 "
                              "(None sizes it like the GPU pool) or use preemption='recompute'")
-        self.block_size = block_size
-        self.num_kv_blocks = num_kv_blocks
-        self.enable_prefix_caching = bool(enable_prefix_caching)
-        manager = PrefixCachingBlockManager if self.enable_prefix_caching else BlockManager
-        self.block_manager = manager(num_kv_blocks, block_size)
-        self.prefix_cache_stats = PrefixCacheStats()     # prompt tokens looked up / hit
-        self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                   enable_chunked_prefill, scheduling, preemption,
-                                   cpu_pool=self.cpu_pool, clock=self.clock,
-                                   prefix_cache_stats=self.prefix_cache_stats)
-        self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
-                                  num_cpu_blocks)
-        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        self.eos_token_id = eos if eos is not None else self.config.eos_token_id
-        self.groups: dict = {}                   # request_id -> [Request], sample 0 first
-        self._seq_ids = itertools.count()
-        self._arrivals = itertools.count()
-        self._unreturned: list = []              # finished request ids (abort...) not yet returned
-        self.step_stats = collections.deque(maxlen=max_step_stats)
-        self.spec = None                         # SpecDecoder when speculating (chapter 07)
-        if speculative_config is not None:
-            from .spec_decode import SpecDecoder
-            self.spec = SpecDecoder(speculative_config, model)
+        return num_cpu_blocks
 
     # --- requests ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list:
@@ -173,9 +182,10 @@ class LLMEngine:
         ids = self.encode(prompt)
         self.check(ids, params)
         gen = None if params.greedy else make_generator(params.seed, self.model.device)
-        req = Request(next(self._seq_ids), request_id, ids, params,
+        self._arrivals += 1
+        req = Request(self.scheduler.new_seq_id(), request_id, ids, params,
                       arrival_time if arrival_time is not None else self.clock(),
-                      next(self._arrivals), gen, prompt=prompt if isinstance(prompt, str) else None,
+                      self._arrivals, gen, prompt=prompt if isinstance(prompt, str) else None,
                       cache_salt=cache_salt)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
@@ -186,13 +196,9 @@ class LLMEngine:
         group = self.groups.get(request_id)
         if group is None or all(r.is_finished for r in group):
             return False
-        now = self.clock()
         for r in group:
             if not r.is_finished:
                 self.scheduler.finish(r, "abort")
-                r.metrics.finished_time = now
-                if self.spec is not None:
-                    self.spec.release(r)
         self._unreturned.append(request_id)
         return True
 
@@ -218,231 +224,108 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step_outputs(self) -> StepOutput:
-        """Run one iteration. Returns a StepOutput: the finished requests' outputs, the new
-        tokens of every sequence that got some (TokenDelta) and a StepStats snapshot.
+        """Run one iteration: schedule -> execute -> update, then draft (chapter 07). Returns
+        the finished requests' outputs, every sequence's new tokens and a StepStats snapshot.
 
-        Failures belong to requests: if the batched forward raises, each request is run alone
-        to find which fail; a request whose forward, sampling or stop check raises finishes
-        with reason "error" (blocks freed) and the others carry on. If an exception escapes
-        anyway (KeyboardInterrupt, a scheduler bug), every running request is requeued to be
-        recomputed, so the engine stays consistent and holds no stranded blocks."""
+        If an exception escapes anyway (KeyboardInterrupt, a scheduler bug), every running
+        request is requeued to be recomputed, so the engine stays consistent and holds no
+        stranded blocks; outputs finished before it are returned by the next step."""
         start = self.clock()
         finished, self._unreturned = self._unreturned, []
-        deltas: list = []
         try:
             sched = self.scheduler.schedule()
-            if sched.is_empty and self.scheduler.has_unfinished():
-                raise RuntimeError(f"the scheduler could not schedule anything although "
-                                   f"requests are pending ({self.scheduler.waiting[:3]}...); "
-                                   "this is a bug")
-            n_decode = sum(n for r, n in sched.scheduled if not r.is_prefill)
-            prefill_seqs = sum(r.is_prefill for r, _ in sched.scheduled)
+            self._check_progress(sched)
+            stats = self._scheduled_stats(sched)
+            update = StepUpdate()
             if not sched.is_empty:
-                self._run_step(sched, finished, deltas)
+                result = self.runner.execute(sched)
+                update = self.scheduler.update_from_output(sched, result, self._check_stop)
+                self._record_spec(result)
+                self._propose(update, result.hidden)
         except BaseException:
             self.scheduler.requeue_all()
             self._unreturned = finished + self._unreturned   # returned by the next step
             raise
-        stats = self._stats(sched, n_decode, prefill_seqs, self.clock() - start)
-        if not sched.is_empty:
-            self.step_stats.append(stats)
-        return StepOutput([self._output(rid) for rid in finished], deltas, stats)
+        finished += self._finished_ids(update.finished, finished)
+        return self._step_output(sched, stats, update, finished, self.clock() - start)
 
-    def _stats(self, sched, n_decode: int, prefill_seqs: int, duration: float) -> StepStats:
-        s, pc = self.scheduler, self.prefix_cache_stats
-        spec = self.spec.stats if self.spec is not None else None
-        return StepStats(
-            num_batched_tokens=sched.num_batched_tokens,
-            num_prefill_tokens=sched.num_batched_tokens - n_decode,
-            num_decode_tokens=n_decode, num_seqs=len(sched.scheduled),
-            num_prefill_seqs=prefill_seqs, num_preempted=len(sched.preempted),
-            num_waiting=len(s.waiting), num_running=len(s.running), num_swapped=len(s.swapped),
-            num_free_blocks=self.block_manager.num_free_blocks, num_kv_blocks=self.num_kv_blocks,
-            duration=duration, total_preemptions=s.num_preemptions,
-            prefix_cache_queries=pc.queries, prefix_cache_hits=pc.hits,
-            num_draft_tokens=spec.num_draft_tokens if spec else 0,
-            num_accepted_tokens=spec.num_accepted_tokens if spec else 0)
+    def _check_progress(self, sched) -> None:
+        """Record this step's forks in their groups; an empty plan with requests pending is a bug."""
+        for child, parent in sched.forks:
+            self.groups[parent.request_id].append(child)
+        if sched.is_empty and self.scheduler.has_unfinished():
+            raise RuntimeError(f"the scheduler could not schedule anything although requests "
+                               f"are pending ({self.scheduler.waiting[:3]}...); this is a bug")
 
-    def _run_step(self, sched, finished: list, deltas: list) -> None:
-        """Copies, forward, sampling and stop checks of one scheduled step. A request's
-        num_computed_tokens advances only once its step's work succeeded: right after the
-        forward for a prefill chunk that samples nothing, together with its new token else.
-        With speculation (chapter 07) a decode may verify k drafts: its 1 + k logits rows go to
-        the SpecDecoder, and the rejected positions are rolled back (counter and blocks)."""
-        self.runner.copy_blocks(sched)
-        num_spec = {req.seq_id: max(0, req.num_computed_tokens + n - req.num_tokens)
-                    for req, n in sched.scheduled}         # drafts verified per request
-        if self.spec is not None:
-            with self.spec.capture() as cap:
-                logits, sampling_reqs = self._forward(sched.scheduled, finished)   # [S, V]
-        else:
-            logits, sampling_reqs = self._forward(sched.scheduled, finished)       # [S, V]
-        n_new = {req.seq_id: n for req, n in sched.scheduled}
-        sampling = set(id(r) for r in sampling_reqs)
-        for req, n in sched.scheduled:
-            if id(req) not in sampling and not req.is_finished:
-                req.num_computed_tokens += n         # a prefill chunk: its K/V are cached
-                self._cache_full_blocks(req)
+    def _check_stop(self, req: Request):
+        """The one stop rule (generate.stop_reason) with this engine's EOS and detokeniser."""
+        return stop_reason(req.params, req.output_token_ids, self.eos_token_id,
+                           decode=self.decode if req.params.stop else None)
 
-        rows = []                               # (request, row of logits) per sequence to sample
-        spec_rows = []                          # (request, first row, drafts) to verify
-        offset = 0
-        for req in sampling_reqs:
-            k = num_spec[req.seq_id]
-            if k:
-                spec_rows.append((req, offset, k))
-            else:
-                rows.append((req, offset))
-                if not req.forked:
-                    for child in self._fork(req):
-                        rows.append((child, offset))
-                        n_new[child.seq_id] = n_new[req.seq_id]
-            offset += 1 + k
-        tokens = sample_tokens(logits, rows) if rows else []
-        emitted = []                            # (request, row of its last token, new tokens)
-        for (req, row), token in zip(rows, tokens):
-            if isinstance(token, BaseException):
-                self._fail(req, f"sampling failed: {type(token).__name__}: {token}", finished)
-                continue
-            req.num_computed_tokens += n_new[req.seq_id]
-            emitted.append((req, row, [token]))
-        for req, row, k in spec_rows:
-            try:
-                toks = self.spec.verify(req, logits[row:row + 1 + k], k)
-            except Exception as e:              # noqa: BLE001 - this request's error only
-                self._fail(req, f"verification failed: {type(e).__name__}: {e}", finished)
-                continue
-            rejected = k - (len(toks) - 1)
-            req.num_computed_tokens += n_new[req.seq_id] - rejected   # roll back rejected drafts
-            self.block_manager.truncate(req.seq_id, req.num_computed_tokens)
-            emitted.append((req, row + len(toks) - 1, toks))
-        now = self.clock()
-        for req, _, toks in emitted:
-            reason, before = None, req.num_output_tokens
-            for token in toks:
-                req.output_token_ids.append(token)
-                req.metrics.record_token(now)
-                try:
-                    reason = self._stop_reason(req, token)
-                except Exception as e:          # noqa: BLE001 - this request's error only
-                    self._fail(req, f"stop check failed: {type(e).__name__}: {e}", finished)
-                    reason = "error"
-                    break
-                if reason is not None:
-                    break
-            added = req.num_output_tokens - before
-            deltas.append(TokenDelta(req.request_id, req.sample_index,
-                                     tuple(req.output_token_ids[-added:]) if added else (),
-                                     req.num_output_tokens, reason is not None))
-            if reason == "error":
-                continue
-            # a stop inside the accepted drafts drops the tokens after it: cache only what stays
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            self._cache_full_blocks(req)        # never a block holding a rejected draft
-            if reason is not None:
-                self._finish(req, reason, now, finished)
-        if self.spec is not None:               # the next step's drafts
-            self._propose(emitted, cap, logits.shape[0], finished)
+    def _record_spec(self, result) -> None:
+        for seq_id, k in result.num_drafts.items():
+            self.spec_stats.record(k, len(result.sampled[seq_id]) - 1)
 
-    def _propose(self, emitted: list, cap, num_rows: int, finished: list) -> None:
+    def _propose(self, update: StepUpdate, hidden: dict) -> None:
         """Drafts for every request that just got tokens and keeps decoding. Drafts only
         change speed, never output, so a proposer error costs nothing but the drafts."""
-        hidden = None
-        if self.spec.needs_hidden and cap.value is not None and cap.value.shape[1] == num_rows:
-            hidden = cap.value[0]                # [S, C] the rows the logits came from
-        items = [(req, None if hidden is None else hidden[row])
-                 for req, row, _ in emitted if not req.is_finished]
-        if self.spec.needs_hidden and hidden is None:
-            items = [(req, None) for req, _ in items]
-            for req, _ in items:
-                req.spec_token_ids, req.spec_draft_probs = [], None
+        live = [req for req, _ in update.emitted if not req.is_finished]
+        for req in live:                        # the drafts just verified are spent
+            req.spec_token_ids, req.spec_draft_probs = [], None
+        if not live or self.proposer.num_speculative_tokens == 0:
             return
+        if self.proposer.needs_hidden and any(r.seq_id not in hidden for r in live):
+            live = []                           # no hidden state this step: decode plainly
+        k_max, ctx = self.proposer.num_speculative_tokens, self.config.max_position_embeddings
+        todo = [(req, room(req, k_max, ctx)) for req in live]
+        todo = [(req, k) for req, k in todo if k > 0]
+        asks = [DraftRequest(req.prompt_token_ids + req.output_token_ids, k, req.params,
+                             req.generator, hidden.get(req.seq_id), req.draft_state)
+                for req, k in todo]
         try:
-            self.spec.propose(items)
+            drafts = check_drafts(asks, self.proposer.propose(asks), self.proposer)
         except Exception:                       # noqa: BLE001 - decode without drafts
-            for req, _ in items:
-                req.spec_token_ids, req.spec_draft_probs = [], None
+            drafts = [None] * len(todo)
+        for (req, _), d in zip(todo, drafts):
+            req.spec_token_ids = list(d.token_ids) if d is not None else []
+            req.spec_draft_probs = d.probs if d is not None else None
+            req.draft_state = d.state if d is not None else None
 
-    def _cache_full_blocks(self, req: Request) -> None:
-        """Prefix caching: the blocks this step filled hold computed K/V now; register them so
-        later requests can share them (never earlier: a failed or preempted step computes
-        nothing, and a cached block must hold what its key says)."""
-        if self.enable_prefix_caching:
-            self.block_manager.cache_full_blocks(req.seq_id, req.num_computed_tokens,
-                                                 req.token_ids, req.cache_salt)
+    def _finished_ids(self, reqs: list, already: list) -> list:
+        """Request ids whose every sample has now finished (each once)."""
+        ids = []
+        for req in reqs:
+            rid = req.request_id
+            if (rid not in ids and rid not in already
+                    and all(r.is_finished for r in self.groups[rid])):
+                ids.append(rid)
+        return ids
 
-    def _forward(self, scheduled: list, finished: list):
-        """The step's forward. If the batch raises, run each request alone: the ones that fail
-        again finish with reason "error", the others' logits are used as if nothing happened
-        (their K/V slots are simply written a second time). Returns (logits [S, V], requests)."""
-        try:
-            return self.runner.run(scheduled)
-        except Exception as e:                  # noqa: BLE001 - attributed below
-            if len(scheduled) == 1:             # nothing to bisect: it is this request's
-                self._fail(scheduled[0][0], f"forward failed: {type(e).__name__}: {e}", finished)
-                return self._no_logits(), []
-        rows, reqs = [], []
-        for req, n in scheduled:
-            try:
-                logits, sampling_reqs = self.runner.run([(req, n)])
-            except Exception as e:              # noqa: BLE001 - this request's error only
-                self._fail(req, f"forward failed: {type(e).__name__}: {e}", finished)
-                continue
-            rows.append(logits)
-            reqs.extend(sampling_reqs)
-        return (torch.cat(rows), reqs) if rows else (self._no_logits(), [])
+    def _scheduled_stats(self, sched) -> dict:
+        """What the plan holds, counted before the update moves num_computed_tokens."""
+        n_decode = sum(n for r, n in sched.scheduled if not r.is_prefill)
+        return dict(num_batched_tokens=sched.num_batched_tokens,
+                    num_prefill_tokens=sched.num_batched_tokens - n_decode,
+                    num_decode_tokens=n_decode, num_seqs=len(sched.scheduled),
+                    num_prefill_seqs=sum(r.is_prefill for r, _ in sched.scheduled),
+                    num_preempted=len(sched.preempted))
 
-    def _no_logits(self) -> torch.Tensor:
-        return torch.empty(0, self.config.vocab_size, device=self.model.device)   # [0, V]
-
-    def _finish(self, req: Request, reason: str, now: float, finished: list) -> None:
-        self.scheduler.finish(req, reason)
-        req.metrics.finished_time = now
-        if self.spec is not None:
-            self.spec.release(req)
-        group = self.groups[req.request_id]
-        if all(r.is_finished for r in group) and req.request_id not in finished:
-            finished.append(req.request_id)
-
-    def _fail(self, req: Request, message: str, finished: list) -> None:
-        """Finish ONE sequence with reason "error" (its blocks freed); the rest carry on."""
-        req.error = message
-        self._finish(req, "error", self.clock(), finished)
-
-    def _fork(self, parent: Request) -> list:
-        """n > 1: the siblings share the prompt's blocks (refcounts), sampled independently."""
-        parent.forked = True
-        p = parent.params
-        children = []
-        for i in range(1, p.n):
-            seed = None if p.seed is None else p.seed + i
-            gen = None if p.greedy else make_generator(seed, self.model.device)
-            child = Request(next(self._seq_ids), parent.request_id, parent.prompt_token_ids, p,
-                            parent.metrics.arrival_time, parent.arrival_order, gen,
-                            sample_index=i, prompt=parent.prompt, cache_salt=parent.cache_salt)
-            child.output_token_ids = list(parent.output_token_ids)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.num_cached_tokens = parent.num_cached_tokens
-            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            self.scheduler.add_running(child)
-            self.groups[parent.request_id].append(child)
-            children.append(child)
-        return children
-
-    def _stop_reason(self, req: Request, token: int) -> Optional[str]:
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
-            return "stop"
-        if p.stop:
-            text = self.decode(req.output_token_ids)
-            hits = [(text.find(s), s) for s in p.stop if s in text]
-            if hits:
-                req.text_cut, req.stop_text = min(hits)
-                return "stop"
-        if req.num_output_tokens >= p.max_tokens:
-            return "length"
-        return None
+    def _step_output(self, sched, planned: dict, update: StepUpdate, finished: list,
+                     duration: float) -> StepOutput:
+        s, pc, spec = self.scheduler, self.prefix_cache_stats, self.spec_stats
+        stats = StepStats(
+            **planned, num_waiting=len(s.waiting), num_running=len(s.running),
+            num_swapped=len(s.swapped), num_free_blocks=self.block_manager.num_free_blocks,
+            num_kv_blocks=self.num_kv_blocks, duration=duration,
+            total_preemptions=s.num_preemptions, prefix_cache_queries=pc.queries,
+            prefix_cache_hits=pc.hits,
+            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_tokens=spec.num_accepted_tokens if spec else 0)
+        if not sched.is_empty:
+            self.step_stats.append(stats)
+        deltas = [TokenDelta(req.request_id, req.sample_index, tuple(toks), req.num_output_tokens,
+                             req.is_finished) for req, toks in update.emitted]
+        return StepOutput([self._output(rid) for rid in finished], deltas, stats)
 
     def decode(self, ids: list) -> str:
         if self.tokenizer is None:
@@ -451,26 +334,28 @@ class LLMEngine:
 
     def _output(self, request_id: str) -> RequestOutput:
         group = sorted(self.groups.pop(request_id), key=lambda r: r.sample_index)
-        outs, errors = [], []
-        for r in group:
-            try:
-                text = self.decode(r.output_token_ids)
-            except Exception as e:              # noqa: BLE001 - this request's error only
-                text, r.finish_reason = "", "error"
-                r.error = f"detokenisation failed: {type(e).__name__}: {e}"
-            if r.error:
-                errors.append(r.error if len(group) == 1 else f"sample {r.sample_index}: {r.error}")
-            stop = None
-            if r.text_cut is not None:
-                text, stop = text[:r.text_cut], r.stop_text
-            elif r.finish_reason == "stop" and r.output_token_ids:
-                stop = r.output_token_ids[-1]
-            outs.append(CompletionOutput(r.sample_index, text, list(r.output_token_ids),
-                                         r.finish_reason, r.metrics, stop))
+        outs = [self._completion(r) for r in group]
+        errors = [r.error if len(group) == 1 else f"sample {r.sample_index}: {r.error}"
+                  for r in group if r.error]
         first = group[0]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True,
                              "; ".join(errors) or None,
                              num_cached_tokens=first.num_cached_tokens or 0)
+
+    def _completion(self, r: Request) -> CompletionOutput:
+        """One sample's output: text cut before a stop string, what stopped it."""
+        try:
+            text = self.decode(r.output_token_ids)
+        except Exception as e:                  # noqa: BLE001 - this request's error only
+            text, r.finish_reason = "", "error"
+            r.error = f"detokenisation failed: {type(e).__name__}: {e}"
+        stop = None
+        if r.text_cut is not None:
+            text, stop = text[:r.text_cut], r.stop_text
+        elif r.finish_reason == "stop" and r.output_token_ids:
+            stop = r.output_token_ids[-1]
+        return CompletionOutput(r.sample_index, text, list(r.output_token_ids), r.finish_reason,
+                                r.metrics, stop)
 
     # --- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> list:
@@ -485,13 +370,11 @@ class LLMEngine:
     def spec_decode_stats(self):
         """Speculative decoding counts over the engine's life (minillm.spec.SpecStats:
         acceptance_rate, mean_accepted_length, acceptance_by_position), or None."""
-        return self.spec.stats if self.spec is not None else None
+        return self.spec_stats
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix that no running request holds (vLLM's reset_prefix_cache).
         Returns how many blocks were dropped (0 with prefix caching off)."""
-        if not self.enable_prefix_caching:
-            return 0
         return self.block_manager.reset_prefix_cache()
 
 

@@ -1,20 +1,24 @@
-"""The model runner: one scheduler step -> one forward pass over a ragged batch (chapters 04-05).
+"""The model runner: one scheduler step -> one forward pass -> sampled tokens (chapters 04-05).
 
-The step's tokens from all requests are laid end to end in ONE row, with no padding:
+The step's tokens from all requests are laid end to end in ONE row, with no padding, and one
+`StepMetadata` (cache/paged.py) tells attention where each request's queries and keys are:
 
     request       A (decode)   B (prefill chunk of 4)   C (decode)
-    input_ids     [a7,          b0 b1 b2 b3,             c12]              [T_total = 6]
+    input_ids     [a7,          b0 b1 b2 b3,             c12]              [1, T_total = 6]
     positions     [7,           0  1  2  3,              12]
-    slot_mapping  where each token's K/V goes in the paged pool (block * block_size + offset)
-    cu_seqlens_q  [0, 1, 5, 6]        row ranges of each request's queries
-    seq_lens      [8, 4, 13]          context each request attends over, this step included
-    block_tables  [3, max_blocks]     each request's blocks, padded with 0
+    cu_seqlens_q  [0, 1, 5, 6]        seq_lens  [8, 4, 13]
 
 The linear layers (the bulk of the FLOPs) see T_total rows no matter which request they come
-from; only attention needs the per-request structure, and the paged cache gets it through
-`set_step`. Logits are computed only for the last token of each request whose step reaches its
-end (a request halfway through a chunked prefill samples nothing), so a 2048-token prefill costs
-one lm_head row, not 2048.
+from; only attention needs the per-request structure. Logits are computed only for the last
+token of each request whose step reaches its end (a request halfway through a chunked prefill
+samples nothing), so a 2048-token prefill costs one lm_head row, not 2048.
+
+`execute` returns tokens, not logits: each sequence that reached its end gets one sampled token
+(greedy rows in one batched argmax, sampled rows with the request's own generator, so a seeded
+request reproduces whatever its batch), or, when it carried k drafts (chapter 07), the 1..k+1
+tokens the verifier keeps. Failures belong to sequences: if the batched forward raises, each
+request runs alone to find which fail; a failed forward, sampling or verification is reported in
+`errors` and the scheduler finishes that sequence alone.
 
 Before the forward the runner performs the scheduler's block copies in a fixed order: swap out
 (device -> CPU pool), swap in (CPU pool -> device), copy-on-write. Blocks freed in this step may
@@ -24,12 +28,15 @@ reading them first is safe.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.paged import PagedKVCache
+from ..cache.paged import PagedKVCache, build_step_metadata
 from ..kvmath import kv_bytes_per_token
+from ..model import capture_hidden
 from ..sampling import sample
+from .spec_decode import verify
 
 # num_kv_blocks=None sizes the pool from memory:
 CUDA_KV_FRACTION = 0.5          # of the GPU memory still free after the weights are loaded
@@ -49,100 +56,142 @@ def kv_blocks_for_memory(model, block_size: int, max_num_seqs: int) -> int:
     return max(1, min(int(budget // per_block), useful))
 
 
+@dataclass
+class ModelRunnerOutput:
+    """What one executed step returns, keyed by Request.seq_id."""
+    sampled: dict = field(default_factory=dict)      # seq_id -> [new token ids] (1, or 1..k+1)
+    num_drafts: dict = field(default_factory=dict)   # seq_id -> drafts it verified (k >= 1)
+    errors: dict = field(default_factory=dict)       # seq_id -> why its step failed
+    hidden: dict = field(default_factory=dict)       # seq_id -> [C] hidden state at its last token
+                                                     # (only when the proposer needs it)
+
+
+@dataclass
+class StepInputs:
+    """One forward's inputs: the flat token row, attention's metadata, and where to sample."""
+    input_ids: torch.Tensor          # [1, T]
+    meta: object                     # StepMetadata
+    logits_rows: torch.Tensor        # [S] rows of the flat batch that get logits
+    samplers: list                   # [(request, first logits row, num_drafts)]
+
+
 class ModelRunner:
     def __init__(self, model, block_manager, num_blocks: int, block_size: int,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, needs_hidden: bool = False):
         self.model = model
         self.bm = block_manager
         self.device = model.device
-        cfg = model.config
-        self.cache = PagedKVCache(cfg, num_blocks, block_size, dtype=model.dtype,
+        self.block_size = block_size
+        self.needs_hidden = needs_hidden
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype,
                                   device=model.device, num_cpu_blocks=num_cpu_blocks,
                                   block_manager=block_manager)
 
     # --- one step ------------------------------------------------------------------------------
-    def prepare(self, scheduled):
-        """Flatten [(request, num_new_tokens)] into the step's tensors (built once per step)."""
-        ids, positions, slots, tables, seq_lens, cu = [], [], [], [], [], [0]
-        sample_rows, sampling_reqs = [], []
-        for req, n in scheduled:
-            start, end = req.num_computed_tokens, req.num_computed_tokens + n
-            ids.extend(req.token_ids(start, end))
-            positions.extend(range(start, end))
-            slots.extend(self.bm.slot_mapping(req.seq_id, start, end))
-            tables.append(self.bm.block_table(req.seq_id))
-            seq_lens.append(end)
-            cu.append(cu[-1] + n)
-            num_spec = end - req.num_tokens                  # drafts verified (chapter 07)
-            if num_spec >= 0:                                # the step reaches its last token
-                sample_rows.extend(range(cu[-1] - 1 - num_spec, cu[-1]))
-                sampling_reqs.append(req)
-        width = max(len(t) for t in tables)
-        tables = [t + [0] * (width - len(t)) for t in tables]
-        dev = self.device
-        step = dict(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),          # [T]
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),    # [T]
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),     # [T]
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),   # [B, max_blocks]
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),     # [B]
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),       # [B + 1]
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),  # [S]
-            is_decode_only=all(n == 1 for _, n in scheduled))
-        return step, sampling_reqs
+    def execute(self, sched) -> ModelRunnerOutput:
+        """Block copies, ONE forward over the ragged batch, then sampling / verification."""
+        out = ModelRunnerOutput()
+        self.copy_blocks(sched)
+        with capture_hidden(self.model, self.needs_hidden) as cap:
+            logits, samplers = self._forward(sched.scheduled, out.errors)          # [S, V]
+        hidden = cap.value[0] if cap.value is not None and cap.value.shape[1] == len(logits) else None
+        for child, parent in sched.forks:       # siblings sample from their parent's row
+            row = next((r for req, r, _ in samplers if req is parent), None)
+            if row is None:
+                out.errors[child.seq_id] = out.errors.get(parent.seq_id, "its parent failed")
+            else:
+                samplers.append((child, row, 0))
+        self._sample(logits, samplers, hidden, out)
+        return out
 
-    def forward(self, step) -> torch.Tensor:
-        """The model on the ragged row [1, T], with logits only at sample_rows: [S, V]."""
-        self.cache.set_step(step["slot_mapping"], step["block_tables"], step["seq_lens"],
-                            step["cu_seqlens_q"], step["is_decode_only"])
-        logits = self.model(step["input_ids"][None], positions=step["positions"][None],
-                            cache=self.cache, logits_rows=step["sample_rows"])   # [1, S, V]
-        return logits[0]
+    def prepare(self, scheduled) -> StepInputs:
+        """Flatten [(request, num_new_tokens)] into the step's tensors (built once per step)."""
+        ids, spans, tables, rows, samplers = [], [], [], [], []
+        for req, n in scheduled:
+            c = req.num_computed_tokens
+            ids.extend(req.token_ids(c, c + n))
+            spans.append((c, n))
+            tables.append(self.bm.block_table(req.seq_id))
+            k = c + n - req.num_tokens           # drafts verified (chapter 07); < 0: mid-prefill
+            if k >= 0:                           # the step reaches its last token: sample
+                samplers.append((req, len(rows), k))
+                rows.extend(range(len(ids) - 1 - k, len(ids)))
+        dev = self.device
+        return StepInputs(torch.tensor([ids], dtype=torch.long, device=dev),
+                          build_step_metadata(spans, tables, self.block_size, dev),
+                          torch.tensor(rows, dtype=torch.long, device=dev), samplers)
+
+    def run(self, scheduled):
+        """Prepare and run the forward for [(request, num_new_tokens)]. Returns (logits [S, V],
+        [(request, first row, num_drafts)] of the requests whose step reaches their last token).
+        Writes only these requests' new K/V slots, so running it again for some of them (after a
+        failure) is harmless."""
+        step = self.prepare(scheduled)
+        self.cache.set_step(step.meta)
+        logits = self.model(step.input_ids, positions=step.meta.positions[None], cache=self.cache,
+                            logits_rows=step.logits_rows)                       # [1, S, V]
+        return logits[0], step.samplers
+
+    def _forward(self, scheduled, errors: dict):
+        """The step's forward. If the batch raises, run each request alone: the ones that fail
+        again get an error, the others' logits are used as if nothing happened (their K/V slots
+        are simply written a second time)."""
+        try:
+            return self.run(scheduled)
+        except Exception as e:                  # noqa: BLE001 - attributed below
+            if len(scheduled) == 1:             # nothing to bisect: it is this request's
+                errors[scheduled[0][0].seq_id] = f"forward failed: {type(e).__name__}: {e}"
+                return self._no_logits(), []
+        parts, samplers, offset = [], [], 0
+        for req, n in scheduled:
+            try:
+                logits, own = self.run([(req, n)])
+            except Exception as e:              # noqa: BLE001 - this request's error only
+                errors[req.seq_id] = f"forward failed: {type(e).__name__}: {e}"
+                continue
+            parts.append(logits)
+            samplers += [(r, row + offset, k) for r, row, k in own]
+            offset += len(logits)
+        return (torch.cat(parts), samplers) if parts else (self._no_logits(), [])
+
+    def _no_logits(self) -> torch.Tensor:
+        return torch.empty(0, self.model.config.vocab_size, device=self.device)   # [0, V]
+
+    def _sample(self, logits, samplers, hidden, out: ModelRunnerOutput) -> None:
+        """One token per plain row (greedy ones in one batched argmax), verification for rows
+        that carry drafts. A failure is that sequence's alone."""
+        greedy = [(req, row) for req, row, k in samplers if k == 0 and req.params.greedy]
+        if greedy:
+            try:
+                idx = torch.tensor([row for _, row in greedy], device=logits.device)
+                for (req, _), t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
+                    out.sampled[req.seq_id] = [t]
+            except Exception:                   # noqa: BLE001 - found row by row below
+                pass
+        for req, row, k in samplers:
+            if req.seq_id not in out.sampled:
+                self._sample_one(logits, req, row, k, out)
+            if hidden is not None and req.seq_id in out.sampled:
+                out.hidden[req.seq_id] = hidden[row + len(out.sampled[req.seq_id]) - 1]   # [C]
+
+    @staticmethod
+    def _sample_one(logits, req, row: int, k: int, out: ModelRunnerOutput) -> None:
+        try:
+            if k:
+                probs = req.spec_draft_probs
+                out.sampled[req.seq_id] = verify(logits[row:row + 1 + k], req.spec_token_ids[:k],
+                                                 None if probs is None else probs[:k],
+                                                 req.params, req.generator)
+                out.num_drafts[req.seq_id] = k
+            else:
+                out.sampled[req.seq_id] = [int(sample(logits[row:row + 1], req.params,
+                                                      req.generator))]
+        except Exception as e:                  # noqa: BLE001 - reported as the request's error
+            what = "verification" if k else "sampling"
+            out.errors[req.seq_id] = f"{what} failed: {type(e).__name__}: {e}"
 
     def copy_blocks(self, sched) -> None:
         """The scheduler's block copies, in order: swap out, swap in, copy-on-write."""
         self.cache.swap_out_blocks(sched.blocks_to_swap_out)    # device -> CPU pool
         self.cache.swap_in_blocks(sched.blocks_to_swap_in)      # CPU pool -> device
         self.cache.copy_blocks(sched.blocks_to_copy)            # copy-on-write
-
-    def run(self, scheduled):
-        """Prepare and run the forward for [(request, num_new_tokens)]. Returns (logits [S, V],
-        the requests whose step reaches their last token: one row each, 1 + k rows for one that
-        verifies k speculative drafts). Writes only these requests' new
-        K/V slots, so running it again for some of them (after a failure) is harmless."""
-        step, sampling_reqs = self.prepare(scheduled)
-        return self.forward(step), sampling_reqs
-
-    def execute(self, sched):
-        """Do the block copies, run the forward. Returns (logits [S, V], the S requests)."""
-        self.copy_blocks(sched)
-        return self.run(sched.scheduled)
-
-
-def sample_tokens(logits: torch.Tensor, rows) -> list:
-    """One token per (request, row of logits): greedy rows in one batched argmax, sampled rows
-    each with the request's own generator (so a seeded request reproduces whatever its batch).
-
-    Entry i is an int, or the exception that sampling row i raised: one request's failure
-    (NaN logits, a bad generator...) is that request's alone."""
-    tokens: list = [0] * len(rows)
-    greedy = [i for i, (req, _) in enumerate(rows) if req.params.greedy]
-    if greedy:
-        try:
-            idx = torch.tensor([rows[i][1] for i in greedy], device=logits.device)
-            for i, t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
-                tokens[i] = t
-        except Exception:                       # find the culprit row by row
-            for i in greedy:
-                tokens[i] = _sample_one(logits, *rows[i])
-    for i, (req, row) in enumerate(rows):
-        if not req.params.greedy:
-            tokens[i] = _sample_one(logits, req, row)
-    return tokens
-
-
-def _sample_one(logits: torch.Tensor, req, row: int):
-    try:
-        return int(sample(logits[row:row + 1], req.params, req.generator))
-    except Exception as e:                      # noqa: BLE001 - reported as the request's error
-        return e

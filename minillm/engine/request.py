@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..metrics import RequestMetrics
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, make_generator
 
 
 class RequestStatus(enum.Enum):
@@ -58,12 +58,13 @@ class Request:
         self.text_cut: Optional[int] = None        # len of the text before the stop string
         self.error: Optional[str] = None           # why it finished with reason "error"
         self.arrival_order = arrival_order         # FCFS priority (lower = older)
-        self.forked = sample_index > 0 or params.n == 1
+        self.needs_fork = sample_index == 0 and params.n > 1   # siblings come after the prompt
         self.swapped_blocks: list = []             # CPU block ids while SWAPPED
         self.cache_salt = cache_salt               # prefix-cache namespace (chapter 06)
         self.num_cached_tokens: Optional[int] = None   # prompt tokens hit at first admission
         self.spec_token_ids: list = []             # drafts to verify next step (chapter 07)
         self.spec_draft_probs = None               # their draft distributions [k, V] or None
+        self.draft_state = None                    # the proposer's state for this sequence
         self.metrics = RequestMetrics(arrival_time=arrival_time,
                                       num_prompt_tokens=len(self.prompt_token_ids),
                                       sample_index=sample_index)
@@ -106,7 +107,24 @@ class Request:
     @property
     def slots(self) -> int:
         """Sequences this request will occupy in the running batch (n before it forks)."""
-        return 1 if self.forked else self.params.n
+        return self.params.n if self.needs_fork else 1
+
+    def fork(self, seq_id: int, sample_index: int) -> "Request":
+        """Sibling sample_index of this request (n > 1), at the same point: same tokens, same
+        computed prefix, its own generator (seed + sample_index when seeded)."""
+        p = self.params
+        gen = None
+        if not p.greedy:
+            gen = make_generator(None if p.seed is None else p.seed + sample_index,
+                                 self.generator.device if self.generator is not None else "cpu")
+        child = Request(seq_id, self.request_id, self.prompt_token_ids, p,
+                        self.metrics.arrival_time, self.arrival_order, gen,
+                        sample_index=sample_index, prompt=self.prompt, cache_salt=self.cache_salt)
+        child.output_token_ids = list(self.output_token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.metrics.first_scheduled_time = self.metrics.first_scheduled_time
+        return child
 
     @property
     def is_finished(self) -> bool:

@@ -29,21 +29,27 @@ Scheduling "continuous" (iteration-level, Orca) admits new requests at every ste
 forms a batch of up to max_num_seqs requests and admits nobody else until the whole batch has
 finished: the head-of-line blocking chapter 04 measures.
 
-With prefix caching (chapter 06) the block manager is a `PrefixCachingBlockManager`: admitting
-a request that holds no blocks first looks up the longest cached prefix of its tokens, starts
-its num_computed_tokens after it, and counts the hit blocks against the pool (a hit on a free
-cached block takes it out of the free queue). The engine registers newly computed full blocks
-after each forward; a request whose next block is being computed by a running request right now
-waits for it (like a request that does not fit) rather than compute the same prefix twice.
+Admission always asks the block manager for the longest cached prefix of the request's tokens
+(`find_cached_blocks`): until chapter 06 turns prefix caching on, it finds nothing. With hits the
+request's num_computed_tokens starts after them and the hit blocks count against the pool (a hit
+on a free cached block takes it out of the free queue). A request whose next block is being
+computed by a running request right now waits for it (like a request that does not fit) rather
+than compute the same prefix twice.
 
-The scheduler only plans: it returns the (request, num_new_tokens) pairs plus the block copies
-the model runner must do before the forward pass, in this order: swap out, swap in, copy.
+A step has two halves here, as in vLLM v1:
+  schedule()            plans: (request, num_new_tokens) pairs, the block copies the model runner
+                        does first (swap out, swap in, copy-on-write), and the n > 1 siblings
+                        forked from a request whose prompt completes in this step;
+  update_from_output()  applies what the runner returned: appends the new tokens, rolls back
+                        rejected drafts (chapter 07), checks stops, registers full blocks with the
+                        prefix cache and frees finished requests.
 """
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from .request import Request, RequestStatus
 
@@ -55,6 +61,7 @@ class SchedulerOutput:
     blocks_to_swap_out: list = field(default_factory=list)   # [(gpu_block, cpu_block)]
     blocks_to_swap_in: list = field(default_factory=list)    # [(cpu_block, gpu_block)]
     preempted: list = field(default_factory=list)            # [Request]
+    forks: list = field(default_factory=list)                # [(child, parent)] n > 1 siblings
 
     @property
     def num_batched_tokens(self) -> int:
@@ -67,6 +74,13 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class StepUpdate:
+    """What update_from_output did: the tokens each sequence got, the sequences that finished."""
+    emitted: list = field(default_factory=list)             # [(Request, [new token ids])]
+    finished: list = field(default_factory=list)            # [Request]
 
 
 class Scheduler:
@@ -95,15 +109,18 @@ class Scheduler:
         self.preemption = preemption
         self.cpu_pool = cpu_pool
         self.clock = clock
-        # prefix caching is on when the block manager can look up cached blocks (chapter 06)
-        self.enable_prefix_caching = hasattr(block_manager, "find_cached_blocks")
-        self.prefix_cache_stats = prefix_cache_stats
+        self.prefix_cache_stats = prefix_cache_stats        # prompt tokens looked up / hit
         self.waiting: list = []      # sorted by arrival: preempted (older) ones first
         self.running: list = []      # sorted by arrival
         self.swapped: list = []      # sorted by arrival
         self.static_batch: set = set()   # request ids of the current static batch
         self.num_preemptions = 0
         self.num_swap_outs = 0          # preemptions that went to the CPU pool
+        self._seq_ids = itertools.count()
+
+    def new_seq_id(self) -> int:
+        """A fresh key for the block manager (one per sequence, siblings included)."""
+        return next(self._seq_ids)
 
     # --- queues ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -121,8 +138,8 @@ class Scheduler:
     def num_running_slots(self) -> int:
         return sum(r.slots for r in self.running)
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Remove a request from whichever queue holds it and free its blocks."""
+    def finish(self, req: Request, reason: str, error: Optional[str] = None) -> None:
+        """Remove a request from whichever queue holds it, free its blocks, drop its drafts."""
         for queue in (self.running, self.waiting, self.swapped):
             if req in queue:
                 queue.remove(req)
@@ -131,6 +148,10 @@ class Scheduler:
         self._free_cpu(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        req.error = error if error is not None else req.error
+        req.spec_token_ids, req.spec_draft_probs, req.draft_state = [], None, None
+        if self.clock is not None:
+            req.metrics.finished_time = self.clock()
 
     def requeue_all(self) -> None:
         """Send every running and swapped request back to the waiting queue to be recomputed
@@ -166,7 +187,7 @@ class Scheduler:
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             if budget == 0:
                 break
-            n = self._chunk(req, budget)
+            n = self._chunk_size(req.num_uncomputed_tokens, budget)
             if n == 0:
                 continue
             if not req.is_prefill:
@@ -177,14 +198,14 @@ class Scheduler:
         # 2. admissions, only when nobody was preempted in this step.
         if not out.preempted:
             self._admit(out)
+        self._fork_siblings(out)
         return out
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        """How many of req's uncomputed tokens to schedule with `budget` tokens left (0: wait)."""
-        n = req.num_uncomputed_tokens
-        if n <= budget:
-            return n
-        if self.enable_chunked_prefill or n > self.max_num_batched_tokens:
+    def _chunk_size(self, num_uncomputed: int, budget: int) -> int:
+        """How many of num_uncomputed tokens to schedule with `budget` tokens left (0: wait)."""
+        if num_uncomputed <= budget:
+            return num_uncomputed
+        if self.enable_chunked_prefill or num_uncomputed > self.max_num_batched_tokens:
             return budget
         return 0
 
@@ -244,81 +265,146 @@ class Scheduler:
         heads = [q[0] for q in (self.swapped, self.waiting) if q]
         return min(heads, key=lambda r: r.sort_key) if heads else None
 
-    # --- prefix caching (chapter 06) ----------------------------------------------------------
-    def _lookup(self, req: Request) -> list:
-        """For a waiting request: the block ids of its longest cached prefix ([] if none or if
-        prefix caching is off); its num_computed_tokens starts after them."""
-        if not self.enable_prefix_caching or req.status == RequestStatus.SWAPPED:
-            return []
-        hits = self.bm.find_cached_blocks(req.token_ids(0, req.num_tokens), req.cache_salt)
-        req.num_computed_tokens = len(hits) * self.block_size
-        return hits
-
-    def _prefix_in_flight(self, req: Request, hits: list) -> bool:
-        """The block after req's hit is being computed right now by a running request: wait
-        for it (a step or two) instead of computing the same prefix twice in parallel."""
-        if not self.enable_prefix_caching or req.status == RequestStatus.SWAPPED:
-            return False
-        return self.bm.is_computing(req.token_ids(0, req.num_tokens), hits, req.cache_salt)
-
-    def _can_allocate(self, req: Request, num_tokens: int, hits: list) -> bool:
-        if hits:        # the hit blocks that sit in the free queue count too
-            return self.bm.can_allocate(req.seq_id, num_tokens, hits)
-        return self.bm.can_allocate(req.seq_id, num_tokens)
-
-    def _allocate(self, req: Request, num_tokens: int, hits: list) -> list:
-        if hits:        # the table starts on the shared blocks, which are never written
-            return self.bm.allocate(req.seq_id, num_tokens, hits)
-        return self.bm.allocate(req.seq_id, num_tokens)
-
+    # --- admission -------------------------------------------------------------------------------
     def _record_hit(self, req: Request) -> None:
         """Count the prompt's lookup once, at the request's first admission (vLLM's stats)."""
         if req.num_cached_tokens is None:
             req.num_cached_tokens = req.num_computed_tokens
-            if self.prefix_cache_stats is not None and self.enable_prefix_caching:
+            if self.prefix_cache_stats is not None and self.bm.enable_caching:
                 self.prefix_cache_stats.record(req.num_prompt_tokens, req.num_cached_tokens)
 
+    def _form_static_batch(self) -> None:
+        """Static scheduling: once the last batch is gone, the next one is the oldest requests
+        that fit max_num_seqs; nobody else is admitted until it has finished."""
+        busy = any(r.request_id in self.static_batch
+                   for q in (self.running, self.swapped, self.waiting) for r in q)
+        if not busy:
+            self.static_batch, slots = set(), 0
+            for r in self.waiting:
+                if slots + r.slots > self.max_num_seqs:
+                    break
+                self.static_batch.add(r.request_id)
+                slots += r.slots
+
     def _admit(self, out: SchedulerOutput) -> None:
+        """Admit swapped and waiting requests, oldest first, until one does not fit."""
         if self.scheduling == "static":
-            busy = any(r.request_id in self.static_batch
-                       for q in (self.running, self.swapped, self.waiting) for r in q)
-            if not busy:                                  # form the next batch, FCFS
-                self.static_batch, slots = set(), 0
-                for r in self.waiting:
-                    if slots + r.slots > self.max_num_seqs:
-                        break
-                    self.static_batch.add(r.request_id)
-                    slots += r.slots
+            self._form_static_batch()
         while True:
             req = self._next_candidate()
-            if req is None:
+            if req is None or self.num_running_slots + req.slots > self.max_num_seqs:
                 return
             if self.scheduling == "static" and req.request_id not in self.static_batch:
                 return
-            if self.num_running_slots + req.slots > self.max_num_seqs:
-                return
-            hits = self._lookup(req)                      # [] unless a cached prefix is found
+            swapped = req.status == RequestStatus.SWAPPED
+            tokens = req.token_ids(0, req.num_tokens)
+            # the longest cached prefix ([] with prefix caching off, or for a swapped request)
+            hits = [] if swapped else self.bm.find_cached_blocks(tokens, req.cache_salt)
+            computed = req.num_computed_tokens + len(hits) * self.block_size
             budget = self.max_num_batched_tokens - out.num_batched_tokens
-            n = self._chunk(req, budget) if budget > 0 else 0
-            need = req.num_computed_tokens + n
-            if (n == 0 or not self._can_allocate(req, need, hits)
-                    or self._prefix_in_flight(req, hits)):
-                req.num_computed_tokens -= len(hits) * self.block_size   # looked up again later
+            n = self._chunk_size(req.num_tokens - computed, budget) if budget > 0 else 0
+            if (n == 0 or not self.bm.can_allocate(req.seq_id, computed + n, hits)
+                    or self.bm.is_computing(tokens, hits, req.cache_salt)):
                 return
-            if req.status == RequestStatus.SWAPPED:
-                self.swapped.remove(req)
-                self.bm.allocate(req.seq_id, req.num_computed_tokens)   # fresh blocks, no copies
-                gpu_blocks = list(self.bm.block_table(req.seq_id))
-                out.blocks_to_swap_in.extend(zip(req.swapped_blocks, gpu_blocks))
-                self._free_cpu(req)   # the swap-in copy runs before anything reuses these
+            if swapped:
+                self._swap_in(req, out)
             else:
                 self.waiting.remove(req)
+                req.num_computed_tokens = computed
                 self._record_hit(req)
-            out.copies[req.seq_id] = self._allocate(req, need, hits)
-            if self.enable_prefix_caching and req.status != RequestStatus.SWAPPED:
-                self.bm.mark_pending(req.seq_id, req.token_ids(0, req.num_tokens), req.cache_salt)
+            out.copies[req.seq_id] = self.bm.allocate(req.seq_id, computed + n, hits)
+            if not swapped:
+                self.bm.mark_pending(req.seq_id, tokens, req.cache_salt)
             out.scheduled.append((req, n))
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             if self.clock is not None:
                 req.metrics.record_scheduled(self.clock())
+
+    def _swap_in(self, req: Request, out: SchedulerOutput) -> None:
+        """Fresh device blocks for a swapped request, filled from the CPU pool before the step."""
+        self.swapped.remove(req)
+        self.bm.allocate(req.seq_id, req.num_computed_tokens)      # fresh blocks, no copies
+        gpu_blocks = list(self.bm.block_table(req.seq_id))
+        out.blocks_to_swap_in.extend(zip(req.swapped_blocks, gpu_blocks))
+        self._free_cpu(req)   # the swap-in copy runs before anything reuses these
+
+    # --- n > 1: siblings share the prompt's blocks --------------------------------------------
+    def _fork_siblings(self, out: SchedulerOutput) -> None:
+        """A request with n > 1 whose prompt completes in this step gets its n - 1 siblings now:
+        they share its blocks (refcounts), sample from the same logits row with their own
+        generators, and run as independent sequences from then on."""
+        for req, n in list(out.scheduled):
+            if not req.needs_fork or req.num_computed_tokens + n < req.num_tokens:
+                continue
+            req.needs_fork = False
+            for i in range(1, req.params.n):
+                child = req.fork(self.new_seq_id(), i)
+                self.bm.fork(req.seq_id, child.seq_id)
+                self.add_running(child)
+                out.forks.append((child, req))
+
+    # --- after the forward ------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result,
+                           check_stop: Callable) -> StepUpdate:
+        """Apply what the model runner returned for `sched` (a ModelRunnerOutput):
+
+            error       the sequence finishes with reason "error"; nobody else is affected
+            no tokens   a prefill chunk: its K/V are cached, num_computed_tokens moves on
+            tokens      appended one by one until check_stop(req) says stop; drafts the target
+                        rejected are rolled back (num_computed_tokens and blocks)
+        then full blocks are registered with the prefix cache (only blocks of kept tokens) and
+        finished sequences are freed. A request's num_computed_tokens moves only here, after its
+        work succeeded."""
+        update = StepUpdate()
+        n_new = {req.seq_id: n for req, n in sched.scheduled}
+        n_new.update({child.seq_id: n_new[parent.seq_id] for child, parent in sched.forks})
+        for req in [r for r, _ in sched.scheduled] + [c for c, _ in sched.forks]:
+            if req.is_finished:
+                continue
+            error = result.errors.get(req.seq_id)
+            tokens = result.sampled.get(req.seq_id)
+            if error is None and tokens is None:         # a prefill chunk that samples nothing
+                req.num_computed_tokens += n_new[req.seq_id]
+            elif error is None:
+                error = self._accept(req, n_new[req.seq_id], tokens,
+                                     result.num_drafts.get(req.seq_id, 0), check_stop, update)
+            if error is not None:
+                self.finish(req, "error", error)
+                update.finished.append(req)
+                continue
+            self.bm.cache_full_blocks(req.seq_id, req.num_computed_tokens, req.token_ids,
+                                      req.cache_salt)
+            if req.finish_reason is not None:
+                self.finish(req, req.finish_reason)
+                update.finished.append(req)
+        return update
+
+    def _accept(self, req: Request, n: int, tokens: list, num_drafts: int,
+                check_stop: Callable, update: StepUpdate) -> Optional[str]:
+        """Append a sequence's new tokens (stopping early on a stop); None, or the error."""
+        rejected = num_drafts - (len(tokens) - 1)
+        req.num_computed_tokens += n - rejected          # roll back the rejected drafts
+        if rejected:
+            self.bm.truncate(req.seq_id, req.num_computed_tokens)
+        req.metrics.num_draft_tokens += num_drafts
+        req.metrics.num_accepted_tokens += len(tokens) - 1
+        now = self.clock() if self.clock is not None else 0.0
+        added = []
+        for token in tokens:
+            req.output_token_ids.append(token)
+            req.metrics.record_token(now)
+            added.append(token)
+            try:
+                stop = check_stop(req)
+            except Exception as e:                       # noqa: BLE001 - this request's error only
+                update.emitted.append((req, added))
+                return f"stop check failed: {type(e).__name__}: {e}"
+            if stop is not None:
+                req.finish_reason, req.text_cut = stop.reason, stop.text_cut
+                req.stop_text = stop.stop if stop.text_cut is not None else None
+                break
+        update.emitted.append((req, added))
+        # a stop inside the accepted drafts drops the tokens after it: cache only what stays
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+        return None
