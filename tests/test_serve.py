@@ -77,10 +77,10 @@ def wait_idle(engine, timeout=20.0):
     """Until the engine has nothing left (aborts are processed between steps)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not engine.has_unfinished() and not engine.groups:
+        if not engine.has_unfinished():       # True until every output was returned
             return
         time.sleep(0.02)
-    raise AssertionError(f"engine still busy after {timeout}s: {engine.groups}")
+    raise AssertionError(f"engine still busy after {timeout}s")
 
 
 def stream_completion(client, **kw):
@@ -94,6 +94,146 @@ def stream_completion(client, **kw):
             parts.append(c.text)
             reasons.append(c.finish_reason)
     return "".join(parts), reasons, usage
+
+
+# --- the engine thread and the exporter, against a scripted engine --------------------------------
+def step_stats(**kw):
+    """A StepStats of an idle 100-block engine, with the given fields changed."""
+    from minillm.engine import StepStats
+    base = dict(num_batched_tokens=0, num_prefill_tokens=0, num_decode_tokens=0, num_seqs=0,
+                num_prefill_seqs=0, num_preempted=0, num_waiting=0, num_running=0,
+                num_swapped=0, num_free_blocks=100, num_kv_blocks=100, duration=0.0)
+    return StepStats(**{**base, **kw})
+
+
+class ScriptedEngine:
+    """Only the surface AsyncEngine may use (add_request, abort_request, has_unfinished,
+    step_outputs, decode): any other attribute it reads is an AttributeError, which kills the
+    engine thread and times the test out. Token ids are bytes; a request's script is the tokens
+    of each step, its last step finishes it with `reason`."""
+
+    def __init__(self, scripts: dict):
+        self.scripts = scripts                 # request_id -> (list of bytes per step, reason)
+        self.live, self.aborted = {}, []
+
+    def add_request(self, request_id, ids, params, arrival_time=None):
+        if request_id not in self.scripts:
+            raise ValueError(f"no script for {request_id}")
+        steps, reason = self.scripts[request_id]
+        self.live[request_id] = (iter(steps), reason, [])
+
+    def abort_request(self, request_id):
+        if self.live.pop(request_id, None) is None:
+            return False
+        self.aborted.append(request_id)
+        return True
+
+    def has_unfinished(self):
+        return bool(self.live or self.aborted)
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    def _output(self, rid, ids, reason, error=None):
+        from minillm.engine.outputs import CompletionOutput, RequestOutput
+        text = self.decode(ids).split("END")[0]           # the engine cuts the stop string
+        return RequestOutput(rid, None, [1], [CompletionOutput(0, text, list(ids), reason)],
+                             error=error)
+
+    def step_outputs(self):
+        from minillm.engine.outputs import StepOutput, TokenDelta
+        time.sleep(0.005)
+        finished = [self._output(rid, [], "abort") for rid in self.aborted]
+        deltas, self.aborted = [], []
+        for rid, (steps, reason, ids) in list(self.live.items()):
+            toks = next(steps)
+            ids.extend(toks)
+            done = toks.endswith(b"END") or reason == "error"
+            deltas.append(TokenDelta(rid, 0, tuple(toks), len(ids), done))
+            if done:
+                del self.live[rid]
+                finished.append(self._output(rid, ids, reason, "boom" if reason == "error"
+                                             else None))
+        return StepOutput(finished, deltas, step_stats(num_running=len(self.live)))
+
+
+def test_async_engine_turns_step_outputs_into_typed_events():
+    """The text of each TokenDelta goes out as a TextDelta, holding back half a UTF-8 character
+    and what could start a stop string; the finishing step's tokens come only with Finished;
+    an engine error is Failed, a refused add is Failed, shutdown is Aborted. The observer sees
+    every StepStats and every finished output."""
+    from minillm.serve.async_engine import Aborted, AsyncEngine, Failed, Finished, TextDelta
+
+    class Recorder:
+        def __init__(self):
+            self.stats, self.finished = [], []
+
+        def on_step(self, stats):
+            self.stats.append(stats)
+
+        def on_finished(self, out):
+            self.finished.append(out.request_id)
+
+    def endless():
+        while True:
+            yield b"x"
+
+    scripts = {"a": ([b"Hi", b" \xc3", b"\xa9!", b"ok", b"zEND"], "stop"),
+               "b": ([b"no", b"pe"], "error"), "d": (endless(), "length")}
+    rec = Recorder()
+    aengine = AsyncEngine(ScriptedEngine(scripts), observer=rec, idle_wait=0.01)
+
+    async def events_of(q):
+        out = []
+        while not out or isinstance(out[-1], TextDelta):
+            out.append(await asyncio.wait_for(q.get(), 10))
+        return out
+
+    async def main():
+        aengine.start()
+        try:
+            params = SamplingParams(max_tokens=64, stop=["END"])
+            qa, qb, qc = (aengine.submit(r, [1], params, 0.0) for r in "abc")
+            got = [await events_of(q) for q in (qa, qb, qc)]
+            qd = aengine.submit("d", [1], SamplingParams(max_tokens=64), 0.0)
+            assert isinstance(await asyncio.wait_for(qd.get(), 10), TextDelta)
+        finally:
+            aengine.stop()
+        return got, await events_of(qd)
+
+    (a, b, c), d = asyncio.run(main())
+    assert a[:-1] == [TextDelta("Hi ", 6), TextDelta("é!", 8)]      # 2 chars held for "END"
+    assert isinstance(a[-1], Finished) and a[-1].output.text == "Hi é!okz"
+    assert b == [Failed("boom")]
+    assert len(c) == 1 and isinstance(c[0], Failed) and "no script for c" in c[0].message
+    assert isinstance(d[-1], Aborted) and all(isinstance(e, TextDelta) for e in d[:-1])
+    assert {"a", "b", "d"} <= set(rec.finished) and rec.stats
+    assert not aengine.is_running
+
+
+def test_metrics_gauges_and_preemptions_come_from_step_stats():
+    """on_step sets the gauges from one StepStats; the preemption counter follows the engine's
+    cumulative total without counting a step twice; the prefix-cache hit rate is NaN until a
+    prompt token was looked up (as with prefix caching off), then hits / queries."""
+    from minillm.serve.metrics import ServerMetrics, parse_metrics
+    sm = ServerMetrics("m")
+    none = frozenset()
+    sm.on_step(step_stats(num_running=3, num_waiting=2, num_free_blocks=75,
+                          total_preemptions=2))
+    m = parse_metrics(sm.text())
+    assert (m[("minillm:num_requests_running", none)], m[("minillm:num_requests_waiting", none)]) \
+        == (3, 2)
+    assert m[("minillm:kv_blocks_in_use", none)] == 25
+    assert m[("minillm:kv_cache_usage_perc", none)] == pytest.approx(0.25)
+    assert m[("minillm:num_preemptions_total", none)] == 2
+    assert m[("minillm:prefix_cache_hit_rate", none)] != m[("minillm:prefix_cache_hit_rate", none)]
+    for _ in range(2):                          # the same cumulative total twice: counted once
+        sm.on_step(step_stats(total_preemptions=5, prefix_cache_queries=64,
+                              prefix_cache_hits=48))
+    m = parse_metrics(sm.text())
+    assert m[("minillm:num_preemptions_total", none)] == 5
+    assert m[("minillm:prefix_cache_hit_rate", none)] == pytest.approx(0.75)
+    assert m[("minillm:kv_blocks_in_use", none)] == 0
 
 
 # --- correctness against the server's own non-streamed answers and offline generate ------------

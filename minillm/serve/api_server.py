@@ -1,5 +1,8 @@
 """An OpenAI-compatible HTTP server over LLMEngine (chapter 08), on FastAPI + uvicorn.
 
+This module wires routes to `OpenAIServing` (serving.py, where a request is checked, admitted,
+answered or streamed) and runs the app; `AsyncEngine` (async_engine.py) runs the engine.
+
     POST /v1/completions        text (or token ids) in, text out; `stream: true` for SSE chunks
     POST /v1/chat/completions   messages in (the tokenizer's chat template applied), text out
     GET  /v1/models             the one model served
@@ -9,8 +12,9 @@
 A request's life: the handler validates the body (400 on anything wrong, before any engine
 work), tokenises, checks the request fits the context and KV pool, and hands it to the engine
 thread (429 if too many are already waiting). The engine thread adds it between two steps; each
-later step may produce new text, which arrives on the request's asyncio queue and goes out as one
-server-sent event `data: {chunk}`; the last chunk carries the finish_reason, then `data: [DONE]`.
+later step may produce new text, which arrives on the request's asyncio queue as a TextDelta and
+goes out as one server-sent event `data: {chunk}`; Finished brings the last chunk with the
+finish_reason (and usage if asked), then `data: [DONE]`.
 A client that goes away mid-stream has its request aborted, so its KV blocks are free for others.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections, new requests on open
@@ -19,35 +23,24 @@ rest are aborted and the process exits 0.
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
-import json
 import signal
 import socket
 import sys
 import threading
 import time
-import uuid
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from .async_engine import AsyncEngine, QueueFull
+from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
-
-
-def chat_prompt_ids(tok, messages: list) -> list:
-    """Token ids of a conversation with the assistant's turn opened (the chat template)."""
-    if not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                       param="messages")
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok.encode(text, add_special_tokens=False)    # the template already has its markers
+from .serving import OpenAIServing, chat_prompt_ids
 
 
 def _validation_message(exc: RequestValidationError) -> tuple:
@@ -64,14 +57,13 @@ def _validation_message(exc: RequestValidationError) -> tuple:
 
 
 def build_app(engine, model_name: str, max_waiting: int = 256) -> FastAPI:
-    """The FastAPI app serving `engine` (an LLMEngine with a tokenizer) as `model_name`."""
+    """The FastAPI app serving `engine` (an LLMEngine with a tokenizer) as `model_name`: an
+    AsyncEngine, its Prometheus metrics and an OpenAIServing, wired to the routes."""
     if engine.tokenizer is None:
         raise ValueError("the server needs a tokenizer to turn text into tokens; load the model "
                          "with one (minillm.load_model returns it)")
     metrics = ServerMetrics(model_name)
     aengine = AsyncEngine(engine, max_waiting=max_waiting, observer=metrics)
-    tok = engine.tokenizer
-    context_len = engine.config.max_position_embeddings
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -80,9 +72,42 @@ def build_app(engine, model_name: str, max_waiting: int = 256) -> FastAPI:
         aengine.stop()
 
     app = FastAPI(title="minillm", lifespan=lifespan)
-    app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
-    app.state.model_name = model_name
     app.state.draining = False          # set by uvicorn's shutdown (see run_server)
+
+    def draining() -> bool:
+        server = getattr(app.state, "server", None)
+        return app.state.draining or bool(server is not None and server.should_exit)
+
+    serving = OpenAIServing(engine, aengine, model_name, is_draining=draining)
+    app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
+    app.state.model_name, app.state.serving = model_name, serving
+    _add_error_handlers(app, metrics)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await serving.create_completion(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await serving.create_chat_completion(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return serving.models()
+
+    @app.get("/health")
+    async def health():
+        return serving.health()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Every refusal becomes an OpenAI error body and is counted by reason."""
 
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
@@ -98,176 +123,6 @@ def build_app(engine, model_name: str, max_waiting: int = 256) -> FastAPI:
         message, param = _validation_message(exc)
         return JSONResponse(error_body(message, param=param), status_code=400)
 
-    def draining() -> bool:
-        server = getattr(app.state, "server", None)
-        return app.state.draining or bool(server is not None and server.should_exit)
-
-    def precheck(body) -> None:
-        """The checks that need no tokenizer: shutting down, model name, supported fields."""
-        if draining():
-            raise APIError(503, "the server is shutting down; retry on another replica",
-                           type="service_unavailable", code="draining")
-        if body.model != model_name:
-            raise APIError(400, f"the model '{body.model}' does not exist; this server serves "
-                           f"'{model_name}' (see GET /v1/models)", param="model",
-                           code="model_not_found")
-        body.check_supported()
-
-    def admit(body, ids: list, default_max: int):
-        """Validate one request and queue it. Returns (request_id, events queue, prompt length)."""
-        precheck(body)
-        try:
-            ids = engine.encode(ids)
-            max_tokens = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) \
-                else body.max_tokens
-            if max_tokens is None:
-                max_tokens = max(1, context_len - len(ids)) if default_max is None else default_max
-            params = body.sampling_params(max_tokens)
-            engine.check(ids, params)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        rid = f"{'chatcmpl' if isinstance(body, ChatCompletionRequest) else 'cmpl'}-" \
-              f"{uuid.uuid4().hex}"
-        try:
-            events = aengine.submit(rid, ids, params, arrival_time=engine.clock())
-        except QueueFull as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="queue_full") from None
-        return rid, events, len(ids)
-
-    async def collect(rid: str, events: asyncio.Queue, request: Request):
-        """Wait for the finished output; abort if the client disconnects meanwhile."""
-        done = False
-        try:
-            while True:
-                try:
-                    ev = await asyncio.wait_for(events.get(), timeout=0.5)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        return None
-                    continue
-                if ev[0] == "error":
-                    done = True
-                    raise APIError(500, ev[1], type="internal_error")
-                if ev[0] == "finished_abort":
-                    done = True
-                    raise APIError(503, "the server shut down before this request finished",
-                                   type="service_unavailable", code="draining")
-                if ev[0] == "finished":
-                    done = True
-                    return ev[1]
-        finally:
-            if not done:
-                aengine.abort(rid)
-
-    def usage(n_prompt: int, out) -> dict:
-        n = len(out.token_ids)
-        return {"prompt_tokens": n_prompt, "completion_tokens": n,
-                "total_tokens": n_prompt + n,      # prompt tokens the prefix cache served:
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens or 0}}
-
-    async def sse(rid: str, events: asyncio.Queue, chunk, n_prompt: int, include_usage: bool,
-                  first: Optional[dict] = None):
-        """Server-sent events: one `data:` line per chunk, `data: [DONE]` last. `chunk(text,
-        finish_reason)` builds the JSON of one chunk."""
-        done, sent = False, ""
-        try:
-            if first is not None:
-                yield f"data: {json.dumps(first)}\n\n"
-            while True:
-                ev = await events.get()
-                if ev[0] == "delta":
-                    if ev[1]:
-                        sent += ev[1]
-                        yield f"data: {json.dumps(chunk(ev[1], None))}\n\n"
-                    continue
-                done = True
-                if ev[0] == "error":
-                    yield f"data: {json.dumps(error_body(ev[1], type='internal_error'))}\n\n"
-                elif ev[0] == "finished_abort":
-                    yield f"data: {json.dumps(chunk('', 'abort'))}\n\n"
-                else:
-                    out = ev[1]
-                    rest = out.text[len(sent):] if out.text.startswith(sent) else ""
-                    yield f"data: {json.dumps(chunk(rest, out.finish_reason))}\n\n"
-                    if include_usage:
-                        last = chunk("", None)
-                        last["choices"], last["usage"] = [], usage(n_prompt, out)
-                        yield f"data: {json.dumps(last)}\n\n"
-                break
-            yield "data: [DONE]\n\n"
-        finally:
-            if not done:                         # client went away (or the server is stopping)
-                aengine.abort(rid)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        rid, events, n_prompt = admit(body, body.single_prompt(), default_max=16)
-        created = int(time.time())
-
-        def chunk(text, finish_reason):
-            return {"id": rid, "object": "text_completion", "created": created,
-                    "model": model_name, "choices": [{"index": 0, "text": text, "logprobs": None,
-                                                      "finish_reason": finish_reason}]}
-
-        if body.stream:
-            return StreamingResponse(sse(rid, events, chunk, n_prompt, body.include_usage),
-                                     media_type="text/event-stream")
-        out = await collect(rid, events, request)
-        if out is None:
-            return Response(status_code=499)
-        resp = chunk(out.text, out.finish_reason)
-        resp["usage"] = usage(n_prompt, out)
-        return resp
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        precheck(body)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = chat_prompt_ids(tok, messages)
-        except ValueError as e:                  # the template refused the conversation
-            raise APIError(400, f"messages: {e}", param="messages") from None
-        rid, events, n_prompt = admit(body, ids, default_max=None)
-        created = int(time.time())
-
-        def chunk(text, finish_reason, role=None):
-            delta = {"content": text} if role is None else {"role": role, "content": text}
-            return {"id": rid, "object": "chat.completion.chunk", "created": created,
-                    "model": model_name, "choices": [{"index": 0, "delta": delta,
-                                                      "logprobs": None,
-                                                      "finish_reason": finish_reason}]}
-
-        if body.stream:
-            return StreamingResponse(sse(rid, events, chunk, n_prompt, body.include_usage,
-                                         first=chunk("", None, role="assistant")),
-                                     media_type="text/event-stream")
-        out = await collect(rid, events, request)
-        if out is None:
-            return Response(status_code=499)
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": usage(n_prompt, out)}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "minillm",
-                                            "max_model_len": context_len}]}
-
-    @app.get("/health")
-    async def health():
-        if not aengine.is_running:
-            return JSONResponse(error_body("the engine thread is not running",
-                                           type="service_unavailable"), status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
-
 
 # --- running it -------------------------------------------------------------------------------
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -281,9 +136,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         if e.errno == errno.EADDRINUSE:
             raise SystemExit(f"error: port {port} on {host} is already in use (another server "
-                             "is listening there); stop it or choose another port with --port")
+                             "is listening there); stop it or choose another port with --port"
+                             ) from None
         raise SystemExit(f"error: cannot listen on {host}:{port}: {e.strerror}; check --host "
-                         "and --port")
+                         "and --port") from None
     sock.set_inheritable(True)
     return sock
 

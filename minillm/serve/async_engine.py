@@ -1,28 +1,43 @@
 """One engine thread behind many concurrent HTTP requests (chapter 08).
 
-`LLMEngine` is synchronous: `step()` runs one forward pass over everything scheduled. A server
-needs that loop to keep running while requests arrive and stream out, so `AsyncEngine` gives
-the engine its own thread and talks to it through two one-way channels:
+`LLMEngine` is synchronous: `step_outputs()` runs one forward pass over everything scheduled. A
+server needs that loop to keep running while requests arrive and stream out, so `AsyncEngine`
+gives the engine its own thread and talks to it through two one-way channels:
 
     HTTP handlers (asyncio)                     engine thread
     -----------------------                     -------------
     submit(...) --- inbox (thread-safe queue) ---> add_request / abort_request between steps
-    async for event in stream  <--- per-request asyncio.Queue --- after each step: new text,
-                                                                   then the finished output
+    async for event in stream  <--- per-request asyncio.Queue --- after each step: the step's
+                                                                   TokenDeltas as text, then
+                                                                   the finished outputs
 
-Only the engine thread touches the engine (no locks around the scheduler or block manager: the
-same single-owner design as vLLM's engine core). Handlers never block the event loop on a step.
+Only the engine thread touches the engine (no locks around it: the same single-owner design as
+vLLM's engine core), and it uses only the engine's public surface: `add_request`,
+`abort_request`, `has_unfinished`, `step_outputs` and `decode`. Everything it publishes (text,
+finished outputs, the metrics' gauges) comes from what `step_outputs()` returned: the
+`TokenDelta`s, the finished `RequestOutput`s and the `StepStats` snapshot. Handlers never block
+the event loop on a step.
 
-Events a request's queue receives, in order:
-    ("delta", text, num_output_tokens)   new text since the last event (may be "")
-    ("finished", RequestOutput)          exactly once, last
-    ("error", message)                   instead of "finished" when this request failed
+Events a request's queue receives (small frozen dataclasses; consumers match on their type):
 
-Streaming text is detokenised incrementally: the whole output is decoded each step and only the
-part past what was already sent goes out, holding back an incomplete UTF-8 character ("\ufffd")
-and, with stop strings, the last len(longest stop) - 1 characters (they might be the start of a
-stop string the engine will cut). The finished output's text is the engine's own, so the
-concatenated deltas equal the non-streamed text exactly.
+    event                               when                               how many
+    ----------------------------------  ---------------------------------  ----------------
+    TextDelta(text, num_output_tokens)  a step gave it tokens whose text   0 or more, first
+                                        is now safe to send
+    Finished(output)                    it finished (stop / length / abort  exactly one of
+                                        by the engine): the RequestOutput  these four, last
+    Failed(message)                     the engine failed this request
+                                        (its step raised, detokenising
+                                        failed, add_request refused it)
+    Aborted()                           the server stopped before it
+                                        finished (shutdown)
+
+Streaming text is detokenised incrementally: each step the request's whole output so far is
+decoded and only the part past what was already sent goes out, holding back an incomplete UTF-8
+character ("\\ufffd") and, with stop strings, the last len(longest stop) - 1 characters (they
+might be the start of a stop string the engine will cut). The finished output's text is the
+engine's own, so the concatenated deltas plus the rest of the Finished text equal the
+non-streamed text exactly.
 """
 from __future__ import annotations
 
@@ -31,10 +46,39 @@ import collections
 import queue
 import threading
 import traceback
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Optional, Union
 
+from ..engine.outputs import RequestOutput, StepOutput, TokenDelta
 from ..sampling import SamplingParams
+
+
+# --- what a request's stream receives ------------------------------------------------------------
+@dataclass(frozen=True)
+class TextDelta:
+    """New text since the previous event (never empty); `num_output_tokens` it covers so far."""
+    text: str
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The request finished; `output` is the engine's RequestOutput (its text is authoritative)."""
+    output: RequestOutput
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine failed this request (the others carry on); `message` says why."""
+    message: str
+
+
+@dataclass(frozen=True)
+class Aborted:
+    """The server shut down before this request finished."""
+
+
+StreamEvent = Union[TextDelta, Finished, Failed, Aborted]
 
 
 @dataclass
@@ -42,22 +86,37 @@ class RequestStream:
     """The engine thread's view of one request it streams to."""
     request_id: str
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    hold_back: int = 0             # characters kept back while stop strings may still match
+    events: asyncio.Queue           # of StreamEvent, read by the HTTP handler
+    hold_back: int = 0              # characters kept back while stop strings may still match
+    token_ids: list = field(default_factory=list)   # output tokens so far (from the deltas)
     sent_text: str = ""
-    sent_tokens: int = 0
 
-    def put(self, event) -> None:
+    def put(self, event: StreamEvent) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def text_delta(self, text: str) -> Optional[TextDelta]:
+        """The part of `text` (the whole output decoded) that is safe to send now, or None."""
+        if text.endswith("\ufffd"):              # half a UTF-8 character: wait for the rest
+            return None
+        end = len(text) - self.hold_back
+        if end <= len(self.sent_text) or not text.startswith(self.sent_text):
+            return None
+        delta = text[len(self.sent_text):end]
+        self.sent_text += delta
+        return TextDelta(delta, len(self.token_ids))
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound: answer 429 and let the client retry."""
 
 
 class AsyncEngine:
-    """Runs `engine.step()` in a background thread while requests come and go.
+    """Runs `engine.step_outputs()` in a background thread while requests come and go.
 
-    max_waiting: bound on requests queued but not yet running (the engine's waiting queue plus
-    submissions the thread has not picked up). `submit` refuses with `QueueFull` beyond it, so
-    a burst becomes fast 429s instead of minutes of queueing nobody waits for.
-    observer: optional object with `on_step(engine, stats)` and `on_finished(output)` (the
+    max_waiting: bound on requests queued but not yet running (the engine's waiting queue at the
+    last step plus submissions since). `submit` refuses with `QueueFull` beyond it, so a burst
+    becomes fast 429s instead of minutes of queueing nobody waits for.
+    observer: optional object with `on_step(stats)` (a StepStats) and `on_finished(output)` (the
     Prometheus metrics), called from the engine thread.
     """
 
@@ -65,19 +124,16 @@ class AsyncEngine:
         if int(max_waiting) != max_waiting or max_waiting < 1:
             raise ValueError(f"max_waiting must be a positive integer, got {max_waiting}")
         self.engine = engine
-        self.tokenizer = engine.tokenizer
         self.max_waiting = max_waiting
         self.observer = observer
         self.idle_wait = idle_wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict = {}                 # request_id -> RequestStream (engine thread only)
-        self._pending_adds = 0                   # submitted, not yet added by the thread
         self._count_lock = threading.Lock()
-        self.num_waiting = 0                     # snapshot after the last step
-        self.num_running = 0
-        self.num_steps = 0
-        self.num_step_failures = 0
+        self._pending_adds = 0                   # submitted, not yet added by the thread
+        self.num_waiting = 0                     # the engine's waiting queue (last step + adds)
+        self.last_stats = None                   # the StepStats of the last step
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.recent: collections.OrderedDict = collections.OrderedDict()  # id -> RequestOutput
@@ -90,7 +146,7 @@ class AsyncEngine:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort whatever is still live, then stop the thread."""
+        """Abort whatever is still live (its streams get Aborted), then stop the thread."""
         if self._thread is None:
             return
         self._inbox.put(("abort_all",))
@@ -104,13 +160,10 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # --- called from the event loop ------------------------------------------------------------
-    def queue_depth(self) -> int:
-        return self.num_waiting + self._pending_adds
-
     def submit(self, request_id: str, prompt_token_ids: list, params: SamplingParams,
                arrival_time: float) -> asyncio.Queue:
-        """Queue a request; returns the asyncio.Queue its events arrive on. Raises QueueFull
-        when max_waiting requests are already waiting. Call from the event loop thread."""
+        """Queue a request; returns the asyncio.Queue its StreamEvents arrive on. Raises
+        QueueFull when max_waiting requests are already waiting. Call from the event loop."""
         with self._count_lock:
             if self.num_waiting + self._pending_adds >= self.max_waiting:
                 raise QueueFull(f"{self.max_waiting} requests are already waiting; retry later")
@@ -139,14 +192,14 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                finished = eng.step()
+                out = eng.step_outputs()
             except Exception as e:               # a bug in a step: fail what ran, keep serving
                 self._fail_live(e)
                 continue
-            self.num_steps += 1
-            self._publish(finished)
+            self._publish(out)
 
     def _drain_inbox(self) -> None:
+        """Apply what the handlers sent since the last step (between steps, never during)."""
         eng = self.engine
         while True:
             try:
@@ -155,92 +208,80 @@ class AsyncEngine:
                 break
             kind = msg[0]
             if kind == "add":
-                _, stream, ids, params, arrival = msg
-                try:
-                    eng.add_request(stream.request_id, ids, params, arrival_time=arrival)
-                except ValueError as e:
-                    stream.put(("error", str(e)))
-                else:
-                    self._streams[stream.request_id] = stream
-                with self._count_lock:
-                    self._pending_adds -= 1
-                    self.num_waiting += 1         # until the next snapshot
+                self._add(*msg[1:])
             elif kind == "abort":
                 if eng.abort_request(msg[1]):
                     self._streams.pop(msg[1], None)
             elif kind == "abort_all":
                 for rid in list(self._streams):
                     eng.abort_request(rid)
-                    self._streams.pop(rid).put(("finished_abort",))
+                    self._streams.pop(rid).put(Aborted())
 
-    def _publish(self, finished: list) -> None:
-        eng = self.engine
-        broken = []
-        for rid, stream in self._streams.items():
-            group = eng.groups.get(rid)
-            if not group:
-                continue
-            ids = group[0].output_token_ids
-            if len(ids) > stream.sent_tokens:
-                try:
-                    text = eng.decode(ids)
-                except Exception as e:            # noqa: BLE001 - this request's error only
-                    broken.append((rid, f"detokenisation failed: {type(e).__name__}: {e}"))
-                    continue
-                self._send_delta(stream, text, len(ids))
-        for rid, msg in broken:                   # fail that stream, free its blocks
-            eng.abort_request(rid)
-            self._streams.pop(rid).put(("error", msg))
-        for out in finished:
-            self.recent[out.request_id] = out
-            while len(self.recent) > self.max_recent:
-                self.recent.popitem(last=False)
-            stream = self._streams.pop(out.request_id, None)
-            if self.observer is not None:
-                self.observer.on_finished(out)
-            if stream is None:
-                continue
-            if out.finish_reason == "error":    # the engine failed this request only
-                stream.put(("error", out.error or "the engine failed this request"))
-            else:
-                stream.put(("finished", out))
-        s = eng.scheduler
+    def _add(self, stream: RequestStream, ids: list, params: SamplingParams,
+             arrival_time: float) -> None:
+        try:
+            self.engine.add_request(stream.request_id, ids, params, arrival_time=arrival_time)
+        except ValueError as e:                  # the handler's checks missed something
+            stream.put(Failed(str(e)))
+        else:
+            self._streams[stream.request_id] = stream
         with self._count_lock:
-            self.num_waiting = len(s.waiting)
-        self.num_running = len(s.running)
-        if self.observer is not None:
-            self.observer.on_step(eng, eng.step_stats[-1] if eng.step_stats else None)
+            self._pending_adds -= 1
+            self.num_waiting += stream.request_id in self._streams   # until the next snapshot
 
-    @staticmethod
-    def _send_delta(stream: RequestStream, text: str, num_tokens: int) -> None:
-        stream.sent_tokens = num_tokens
-        if text.endswith("\ufffd"):              # half a UTF-8 character: wait for the rest
+    def _publish(self, out: StepOutput) -> None:
+        """Send one step's results: text of the deltas, then the finished outputs, then the
+        stats snapshot (admission's waiting count and the observer's gauges)."""
+        for delta in out.deltas:
+            self._on_delta(delta)
+        for output in out.finished:
+            self._on_finished(output)
+        with self._count_lock:
+            self.num_waiting = out.stats.num_waiting
+        self.last_stats = out.stats
+        if self.observer is not None:
+            self.observer.on_step(out.stats)
+
+    def _on_delta(self, delta: TokenDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None or delta.index != 0 or delta.finished or not delta.token_ids:
+            return      # aborted; a sample not streamed; or finishing: Finished has the text
+        stream.token_ids.extend(delta.token_ids)
+        try:
+            text = self.engine.decode(stream.token_ids)
+        except Exception as e:                    # noqa: BLE001 - this request's error only
+            self.engine.abort_request(delta.request_id)     # fail that stream, free its blocks
+            self._streams.pop(delta.request_id)
+            stream.put(Failed(f"detokenisation failed: {type(e).__name__}: {e}"))
             return
-        end = len(text) - stream.hold_back
-        if end <= len(stream.sent_text) or not text.startswith(stream.sent_text):
+        event = stream.text_delta(text)
+        if event is not None:
+            stream.put(event)
+
+    def _on_finished(self, output: RequestOutput) -> None:
+        self.recent[output.request_id] = output
+        while len(self.recent) > self.max_recent:
+            self.recent.popitem(last=False)
+        if self.observer is not None:
+            self.observer.on_finished(output)
+        stream = self._streams.pop(output.request_id, None)
+        if stream is None:
             return
-        delta = text[len(stream.sent_text):end]
-        stream.sent_text += delta
-        stream.put(("delta", delta, num_tokens))
+        if output.finish_reason == "error":      # the engine failed this request only
+            stream.put(Failed(output.error or "the engine failed this request"))
+        else:
+            stream.put(Finished(output))
 
     def _fail_live(self, exc: Exception) -> None:
-        """step() raised: every request it may have touched is failed and its blocks freed;
-        requests submitted later are served normally."""
-        self.num_step_failures += 1
+        """step_outputs() raised: every request it may have touched is failed and its blocks
+        freed (the next step returns their aborted outputs); requests submitted later are
+        served normally."""
         msg = f"the engine failed while running this request: {type(exc).__name__}: {exc}"
         traceback.print_exc()
         for rid in list(self._streams):
             self.engine.abort_request(rid)
-            self._streams.pop(rid).put(("error", msg))
-        try:                                      # return the aborted outputs (frees nothing new)
-            if self.engine.has_unfinished():
-                self.engine.step()
-        except Exception:
-            traceback.print_exc()
+            self._streams.pop(rid).put(Failed(msg))
 
 
-class QueueFull(Exception):
-    """The waiting queue is at its bound: answer 429 and let the client retry."""
-
-
-__all__ = ["AsyncEngine", "QueueFull", "RequestStream"]
+__all__ = ["AsyncEngine", "QueueFull", "RequestStream", "StreamEvent", "TextDelta", "Finished",
+           "Failed", "Aborted"]

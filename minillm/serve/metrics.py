@@ -2,17 +2,25 @@
 
 Scraped at GET /metrics. What each one answers when something is wrong:
 
-    minillm:time_to_first_token_seconds     histogram  is TTFT high? (queueing or long prefills)
-    minillm:inter_token_latency_seconds     histogram  are streams stuttering? (p99 ITL spikes)
-    minillm:e2e_request_latency_seconds     histogram  what users wait in total
-    minillm:request_queue_time_seconds      histogram  how much of TTFT is waiting, not work
-    minillm:num_requests_running / _waiting gauge      load right now; waiting > 0 for long = saturated
-    minillm:kv_blocks_in_use / kv_cache_usage_perc     KV pool occupancy (1.0 -> preemptions)
-    minillm:prefix_cache_hit_rate           gauge      NaN while the engine has no prefix cache
-    minillm:num_preemptions_total           counter    rising fast = preemption storm (pool too small)
-    minillm:request_success_total{finished_reason}     stop / length / abort / error
-    minillm:requests_rejected_total{reason}            queue_full (429), invalid (400), draining (503)
-    minillm:prompt_tokens_total, minillm:generation_tokens_total   token throughput = rate() of these
+    metric                                         kind       what it answers
+    ---------------------------------------------  ---------  -------------------------------------
+    minillm:time_to_first_token_seconds            histogram  is TTFT high? (queueing, prefills)
+    minillm:inter_token_latency_seconds            histogram  are streams stuttering? (p99 spikes)
+    minillm:e2e_request_latency_seconds            histogram  what users wait in total
+    minillm:request_queue_time_seconds             histogram  how much of TTFT is waiting, not work
+    minillm:num_requests_running / _waiting        gauge      load now; waiting > 0 long = saturated
+    minillm:kv_blocks_in_use, kv_cache_usage_perc  gauge      KV pool occupancy (1.0 -> preemptions)
+    minillm:prefix_cache_hit_rate                  gauge      prompt tokens found / looked up; NaN
+                                                              while none was looked up (no cache)
+    minillm:num_preemptions_total                  counter    rising fast = preemption storm
+    minillm:request_success_total{finished_reason} counter    stop / length / abort / error
+    minillm:requests_rejected_total{reason}        counter    queue_full 429 / invalid 400 /
+                                                              draining 503
+    minillm:prompt_tokens_total, _generation_...   counter    token throughput = rate() of these
+
+The gauges and the preemption counter come from each step's `StepStats` (`on_step`), the
+histograms and token counters from each finished `RequestOutput` (`on_finished`): the exporter
+reads nothing else of the engine.
 
 Every server gets its own CollectorRegistry, so several servers in one process (tests, the
 notebook) never share or clash over metrics.
@@ -71,21 +79,19 @@ class ServerMetrics:
         self.prefix_hit_rate.set(float("nan"))
 
     # --- called from the engine thread ---------------------------------------------------------
-    def on_step(self, engine, stats=None) -> None:
-        s = engine.scheduler
-        self.running.set(len(s.running))
-        self.waiting.set(len(s.waiting))
-        used = engine.num_kv_blocks - engine.block_manager.num_free_blocks
+    def on_step(self, stats) -> None:
+        """Set the gauges from one step's StepStats (`LLMEngine.step_outputs().stats`): a
+        snapshot of the queues and the KV pool after the step, plus cumulative counters."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        used = stats.num_kv_blocks - stats.num_free_blocks
         self.blocks_in_use.set(used)
-        self.kv_usage.set(used / engine.num_kv_blocks)
-        n = engine.num_preemptions
-        if n > self._preemptions_seen:
-            self.preemptions.inc(n - self._preemptions_seen)
-            self._preemptions_seen = n
-        stats = getattr(engine, "prefix_cache_stats", None)     # chapter 06, when present
-        rate = getattr(stats, "hit_rate", None)
-        if rate is not None:
-            self.prefix_hit_rate.set(rate)
+        self.kv_usage.set(used / stats.num_kv_blocks)
+        if stats.total_preemptions > self._preemptions_seen:    # a counter only goes up
+            self.preemptions.inc(stats.total_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.total_preemptions
+        if stats.prefix_cache_queries:                          # NaN until a lookup happened
+            self.prefix_hit_rate.set(stats.prefix_cache_hits / stats.prefix_cache_queries)
 
     def on_finished(self, out) -> None:
         self.success.labels(self.model_name, out.finish_reason or "unknown").inc()
