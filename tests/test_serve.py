@@ -560,14 +560,14 @@ def test_a_fault_in_one_requests_step_fails_that_request_only(model, tok):
     requests running beside it get exactly the text they get alone, and the server goes on."""
     import types
     eng = make_engine(model, tok)
-    real = eng._stop_reason
+    real = eng._check_stop
 
-    def poisoned(self, req, token):
+    def poisoned(self, req):
         if req.params.seed == 666 and req.num_output_tokens >= 4:
             raise RuntimeError("injected stop-check fault")
-        return real(req, token)
+        return real(req)
 
-    eng._stop_reason = types.MethodType(poisoned, eng)
+    eng._check_stop = types.MethodType(poisoned, eng)
     prompts = ["alpha beta", "gamma delta epsilon", "zeta"]
     with BackgroundServer(eng, MODEL) as srv:
         c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none", max_retries=0,
