@@ -64,14 +64,25 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def ngram_config(args) -> dict:
+    return dict(method="ngram", num_speculative_tokens=args.k, prompt_lookup_min=1,
+                prompt_lookup_max=4)
+
+
 def proposers(model, args):
-    out = {"none": None, "ngram": spec.NgramProposer(1, 4)}
-    if spec.DEFAULT_WEIGHTS.exists():
-        out["medusa"] = spec.MedusaProposer(model, spec.MedusaHeads.load(model=model))
-    skip = [int(x) for x in args.draft_skip.split(",") if x]
-    out["draft_model"] = spec.DraftModelProposer(spec.skip_layer_model(model, skip))
+    """The engine's own proposer objects (build_proposer, as minillm.LLM builds them), one per
+    method; the batch-1 loop asks them for a batch of one."""
     wanted = args.methods.split(",")
-    return {m: p for m, p in out.items() if m in wanted}
+    skip = [int(x) for x in args.draft_skip.split(",") if x]
+    configs = {"ngram": lambda: ngram_config(args),
+               "medusa": lambda: dict(method="medusa", num_speculative_tokens=args.k),
+               "draft_model": lambda: dict(method="draft_model", num_speculative_tokens=args.k,
+                                           model=spec.skip_layer_model(model, skip))}
+    if not spec.DEFAULT_WEIGHTS.exists():
+        del configs["medusa"]
+    out = {"none": None} if "none" in wanted else {}
+    out.update({m: spec.build_proposer(make(), model) for m, make in configs.items() if m in wanted})
+    return out
 
 
 def batch1(model, tok, args, props) -> list:
@@ -95,15 +106,7 @@ def batch1(model, tok, args, props) -> list:
                     a["tokens"] += len(out)
                     a["time"] += dt
                     a["outs"].append(out)
-                    for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
-                              "num_target_forwards", "num_emitted_tokens"):
-                        setattr(a["stats"], f, getattr(a["stats"], f) + getattr(st, f))
-                    for lst in ("accepted_per_position", "drafted_per_position"):
-                        mine, theirs = getattr(a["stats"], lst), getattr(st, lst)
-                        mine.extend([0] * (len(theirs) - len(mine)))
-                        for j, v in enumerate(theirs):
-                            mine[j] += v
-                    a["stats"].draft_time += st.draft_time
+                    a["stats"].merge(st)
             base = acc["none"]["tokens"] / acc["none"]["time"] if "none" in acc else None
             for m in names:
                 a = acc[m]
@@ -130,10 +133,7 @@ def engine_sweep(model, tok, args) -> list:
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         res = {}
         for rep in range(2):                                  # interleaved: A B A B
-            for name, cfg in (("none", None), ("ngram", dict(method="ngram",
-                                                             num_speculative_tokens=args.k,
-                                                             prompt_lookup_min=1,
-                                                             prompt_lookup_max=4))):
+            for name, cfg in (("none", None), ("ngram", ngram_config(args))):
                 llm = minillm.LLM((model, tok), num_kv_blocks=64 * bs, max_num_seqs=bs,
                                   speculative_config=cfg)
                 t0 = time.perf_counter()

@@ -1,8 +1,9 @@
 """Speculative decoding in the engine (chapter 07) on a tiny random model: greedy outputs with
 speculation equal sequential greedy generation token for token, for every method and under
 chunked prefill, preemption (recompute and swap) and n > 1; rejected drafts are rolled back
-(no block leaks, num_computed_tokens consistent); a seeded sampled run reproduces; bad
-speculative_config values raise ValueError naming the fix."""
+(no block leaks, num_computed_tokens consistent); a seeded sampled run reproduces; the engine
+and the batch-1 loop ask the same proposer classes for the same drafts; bad speculative_config
+values raise ValueError naming the fix."""
 import random
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 import minillm
 from minillm import SamplingParams, spec
 from minillm.engine import LLMEngine
-from minillm.engine.spec_decode import parse_speculative_config
+from minillm.engine.spec_decode import build_proposer, parse_speculative_config
+from minillm.spec.proposers import PROPOSERS
 
 from test_engine_modes import VOCAB, check_invariants, run_engine, sequential, tiny_model
 
@@ -144,6 +146,41 @@ def test_greedy_n2_siblings_equal_sequential(model, heads, workload):
     for i in range(4):
         assert [c.token_ids for c in outs[str(i)].outputs] == [ref[i], ref[i]]
     check_invariants(engine)
+
+
+def _recording(cls, log):
+    """The method's proposer class, logging (token_ids, num_drafts, drafts) of every propose."""
+    class Recording(cls):
+        def propose(self, requests):
+            drafts = super().propose(requests)
+            log.extend((list(r.token_ids), r.num_drafts, list(d.token_ids))
+                       for r, d in zip(requests, drafts))
+            return drafts
+    return Recording
+
+
+@pytest.mark.parametrize("method", ["ngram", "medusa", "draft_model"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_engine_and_batch1_loop_propose_the_same_drafts(model, heads, method, temperature,
+                                                        monkeypatch):
+    """One seam: the engine builds its proposer with build_proposer, the loop is handed one built
+    the same way; for one request they are asked for drafts after the same tokens, with the same
+    k, and answer the same (so they emit the same tokens too)."""
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 1, 2]
+    sp = SamplingParams(temperature=temperature, top_k=40, max_tokens=20, seed=1)
+    logs = {"engine": [], "loop": []}
+    cfg = config(method, heads)
+    monkeypatch.setitem(PROPOSERS, method, _recording(PROPOSERS[method], logs["engine"]))
+    engine = LLMEngine(model, None, num_kv_blocks=100, block_size=4, speculative_config=cfg)
+    outs, _ = run_engine(engine, [prompt], None, params=[sp])
+    monkeypatch.setitem(PROPOSERS, method, _recording(PROPOSERS[method].__base__, logs["loop"]))
+    proposer = build_proposer(cfg, model)              # what the engine built, built again
+    got = spec.speculative_generate(model, None, prompt, proposer, cfg["num_speculative_tokens"],
+                                    sp.max_tokens, sp)
+    assert got == outs["0"].token_ids
+    # the engine asked the class build_proposer builds (the log is not empty), with drafts
+    assert len(logs["engine"]) > 3 and sum(len(d) for _, _, d in logs["engine"]) > 0
+    assert logs["engine"] == logs["loop"]
 
 
 @pytest.mark.parametrize("cfg,match", [

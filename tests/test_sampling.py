@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from minillm.sampling import SamplingParams, make_generator, sample, top_k_filter, top_p_filter
+from minillm.sampling import (SamplingParams, make_generator, probs, sample, top_k_filter,
+                              top_p_filter)
 
 
 def _logits(seed=0, B=4, V=50):
@@ -136,3 +137,31 @@ def test_tiny_temperature_samples_greedily(t):
     assert SamplingParams(temperature=t).greedy
     assert torch.equal(sample(logits, SamplingParams(temperature=t)), logits.argmax(-1))
     assert not SamplingParams(temperature=1e-4).greedy
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7, top_k=10),
+                                dict(temperature=1.3, top_p=0.8),
+                                dict(temperature=0.5, top_k=20, top_p=0.9)])
+def test_probs_and_sample_agree(kw):
+    """sample draws exactly from probs: same seed -> the same tokens as multinomial(probs)."""
+    logits = _logits(4, B=6, V=50)
+    params = SamplingParams(**kw)
+    p = probs(logits, params)
+    assert p.dtype == torch.float32 and p.shape == (6, 50)
+    assert torch.allclose(p.sum(-1), torch.ones(6))
+    g1, g2 = make_generator(11), make_generator(11)
+    for _ in range(20):
+        want = torch.multinomial(p, 1, generator=g1).squeeze(-1)
+        assert torch.equal(sample(logits, params, g2), want)
+    assert (p > 0).sum(-1).max() <= (params.top_k if params.top_k > 0 else 50)
+    keep = torch.isfinite(top_p_filter(top_k_filter(logits / params.temperature, params.top_k),
+                                       params.top_p))
+    assert torch.equal(p > 0, keep)                  # the filters' support, nothing else
+
+
+def test_probs_greedy_is_one_hot_on_the_argmax():
+    logits = _logits(5)
+    p = probs(logits, SamplingParams(temperature=0.0, top_k=3))
+    assert torch.equal(p.argmax(-1), logits.argmax(-1)) and torch.equal(p.sum(-1), torch.ones(4))
+    assert torch.equal((p == 1).sum(-1), torch.ones(4, dtype=torch.long))
+    assert torch.equal(sample(logits, SamplingParams(temperature=0.0)), p.argmax(-1))

@@ -1,6 +1,7 @@
 """Speculative decoding, standalone (chapter 07): the rejection sampler is exact, the greedy path
-is exact match, prompt lookup finds the longest latest match, the batch-1 loop reproduces plain
-decoding, and bad input names its fix.
+is exact match, prompt lookup finds the longest latest match, every proposer keeps the one batch
+interface (one Draft per request, never more than num_drafts, state handed back), `verify` is
+the one verifier, the batch-1 loop reproduces plain decoding, and bad input names its fix.
 
 Exactness is shown two ways: (1) the sampler's output distribution computed by enumeration
 (acceptance term + normalised residual, over every draft outcome, across rounds) equals the
@@ -16,7 +17,9 @@ import minillm
 from minillm import SamplingParams, configs, spec
 from minillm.loader import random_model
 from minillm.spec import theory as th
-from minillm.spec.rejection import greedy_accept, rejection_sample, residual
+from minillm.engine.spec_decode import Draft, DraftRequest, NoProposer, build_proposer
+from minillm.sampling import make_generator, probs, sample
+from minillm.spec.rejection import greedy_accept, rejection_sample, residual, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB = 64
@@ -244,12 +247,161 @@ def test_loop_sampled_reproduces_and_matches_target_first_token(tiny):
     assert a == b and len(a) == 20
 
 
+def test_loop_k_wins_over_the_proposers_own(tiny):
+    """speculative_generate's num_speculative_tokens decides k; the proposer's is the engine's."""
+    prop = spec.NgramProposer(1, 3, num_speculative_tokens=4)
+    stats = spec.SpecStats()
+    spec.speculative_generate(tiny, None, [1, 2, 3, 4] * 4, prop, 2, 20, stats=stats)
+    assert stats.num_draft_tokens > 0 and len(stats.drafted_per_position) == 2
+    with pytest.raises(ValueError, match="lower num_speculative_tokens to <= 2"):
+        spec.speculative_generate(tiny, None, [1, 2, 3], spec.MedusaProposer(
+            tiny, spec.MedusaHeads.for_model(tiny, 2)), 3, 8)
+    with pytest.raises(ValueError, match="positive integer"):
+        spec.speculative_generate(tiny, None, [1, 2, 3], prop, 0, 8)
+
+
+def test_loop_refuses_a_proposer_that_breaks_the_contract(tiny):
+    class TooMany(spec.NgramProposer):
+        def propose(self, requests):
+            return [Draft([1] * (r.num_drafts + 1), None) for r in requests]
+    with pytest.raises(ValueError, match="propose at most num_drafts"):
+        spec.speculative_generate(tiny, None, [1, 2, 3], TooMany(), 2, 8)
+
+
 def test_early_exit_shares_weights_and_leaves_the_target_alone(tiny):
     d = spec.early_exit_model(tiny, 1)
     assert len(d.layers) == 1 and len(tiny.layers) == 3 and d.config.num_layers == 1
     assert d.lm_head.weight is tiny.lm_head.weight
     with pytest.raises(ValueError, match="num_layers must be in"):
         spec.early_exit_model(tiny, 4)
+
+
+# --- the proposers' one interface ---------------------------------------------------------------
+def _asks(model, k_list, params, seed=0, hidden=True):
+    rng = random.Random(seed)
+    out = []
+    for i, k in enumerate(k_list):
+        base = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 6))]
+        h = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(i))
+        out.append(DraftRequest(base * 3, k, params, make_generator(i), h if hidden else None))
+    return out
+
+
+@pytest.mark.parametrize("name", ["ngram", "self", "early_exit", "skip_layer", "medusa"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_batch_propose_is_one_draft_per_request_and_never_exceeds_k(tiny, name, temperature):
+    """Mixed k in one batch; the batch answer equals asking one request at a time."""
+    prop = _proposers(tiny)[name]
+    params = SamplingParams(temperature=temperature, top_k=30)
+    asks = _asks(tiny, [1, 3, 2, 3], params)
+    drafts = prop.propose(asks)
+    assert len(drafts) == len(asks) and all(isinstance(d, Draft) for d in drafts)
+    for a, d in zip(asks, drafts):
+        assert len(d.token_ids) <= a.num_drafts
+        if name != "ngram":                            # the models always fill k
+            assert len(d.token_ids) == a.num_drafts
+        if temperature == 0.0 or name == "ngram":
+            assert d.probs is None
+        else:                                          # q rows: distributions, the draft in q's support
+            assert d.probs.shape == (len(d.token_ids), VOCAB)
+            assert torch.allclose(d.probs.sum(-1), torch.ones(len(d.token_ids)))
+            assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
+    alone = [prop.propose([a])[0] for a in _asks(tiny, [1, 3, 2, 3], params)]
+    assert [d.token_ids for d in alone] == [d.token_ids for d in drafts]
+    assert sum(len(d.token_ids) for d in drafts) > 0
+
+
+def test_proposers_keep_no_per_sequence_state(tiny):
+    """The draft model's cache travels in Draft.state; the proposer object is unchanged."""
+    prop = spec.DraftModelProposer(spec.early_exit_model(tiny, 1))
+    before = dict(vars(prop))
+    a, b = _asks(tiny, [3, 3], SamplingParams(temperature=0.0))
+    da, db = prop.propose([a, b])
+    assert vars(prop) == before
+    assert isinstance(da.state, spec.DraftModelState) and da.state is not db.state
+    assert da.state.token_ids == a.token_ids + da.token_ids[:-1]       # fed: tokens + k - 1 drafts
+    assert da.state.cache.seq_len == len(da.state.token_ids)
+
+
+def test_draft_model_rolls_back_to_what_the_target_kept(tiny):
+    """Reusing a sequence's state after a rejection gives the drafts a fresh state gives: the
+    cache forgets the rejected drafts and keeps the shared prefix."""
+    prop = spec.DraftModelProposer(spec.early_exit_model(tiny, 1))
+    greedy = SamplingParams(temperature=0.0)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    first = prop.propose([DraftRequest(tokens, 3, greedy, None)])[0]
+    kept = tokens + first.token_ids[:1] + [(first.token_ids[1] + 1) % VOCAB]   # 1 accepted + a correction
+    again = prop.propose([DraftRequest(kept, 3, greedy, None, state=first.state)])[0]
+    fresh = prop.propose([DraftRequest(kept, 3, greedy, None)])[0]
+    assert again.token_ids == fresh.token_ids
+    assert again.state is first.state                   # the same cache, rolled back and refilled
+    assert again.state.token_ids == kept + again.token_ids[:-1]
+    # a state that was handed a different sequence entirely still gives the right drafts
+    other = prop.propose([DraftRequest([7, 7, 8], 2, greedy, None, state=again.state)])[0]
+    assert other.token_ids == prop.propose([DraftRequest([7, 7, 8], 2, greedy, None)])[0].token_ids
+
+
+def test_draft_model_cache_grows_past_its_first_size(tiny):
+    prop = spec.DraftModelProposer(tiny)
+    short = SamplingParams(temperature=0.0, max_tokens=1)              # sizes the first cache small
+    tokens = [1, 2, 3]
+    d = prop.propose([DraftRequest(tokens, 2, short, None)])[0]
+    first_size = d.state.cache.max_len
+    for _ in range(4):
+        tokens = tokens + d.token_ids + [5]
+        d = prop.propose([DraftRequest(tokens, 2, short, None, state=d.state)])[0]
+    assert d.state.cache.max_len > first_size
+    assert d.token_ids == prop.propose([DraftRequest(tokens, 2, short, None)])[0].token_ids
+
+
+def test_build_proposer_one_class_per_method(tiny):
+    assert isinstance(build_proposer(None, tiny), NoProposer)
+    nothing = NoProposer().propose(_asks(tiny, [2, 2], SamplingParams()))
+    assert [d.token_ids for d in nothing] == [[], []] and NoProposer.num_speculative_tokens == 0
+    heads = spec.MedusaHeads.for_model(tiny, 3)
+    built = {"ngram": build_proposer(dict(method="ngram", num_speculative_tokens=2), tiny),
+             "medusa": build_proposer(dict(method="medusa", num_speculative_tokens=2,
+                                           weights=heads), tiny),
+             "draft_model": build_proposer(dict(method="draft_model", num_speculative_tokens=3,
+                                                draft_num_layers=1), tiny)}
+    assert [type(p) for p in built.values()] == [spec.NgramProposer, spec.MedusaProposer,
+                                                 spec.DraftModelProposer]
+    assert [p.num_speculative_tokens for p in built.values()] == [2, 2, 3]
+    assert [p.needs_hidden for p in built.values()] == [False, True, False]
+    assert len(built["draft_model"].model.layers) == 1
+    with pytest.raises(ValueError, match="lower it to <= 3"):
+        build_proposer(dict(method="medusa", num_speculative_tokens=4, weights=heads), tiny)
+    with pytest.raises(ValueError, match="unknown speculative method"):
+        build_proposer(dict(method="eagle", num_speculative_tokens=2), tiny)
+    with pytest.raises(ValueError, match="hidden state"):
+        built["medusa"].propose(_asks(tiny, [2], SamplingParams(), hidden=False))
+
+
+# --- the one verifier -----------------------------------------------------------------------------
+def test_verify_is_greedy_accept_or_rejection_sample_on_probs():
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0)) * 2   # [1 + k, V]
+    drafts = logits.argmax(-1)[:3].tolist()
+    greedy = SamplingParams(temperature=0.0)
+    assert verify(logits, drafts, None, greedy) == logits.argmax(-1).tolist()    # all accepted + bonus
+    assert verify(logits, [(drafts[0] + 1) % 10] + drafts[1:], None, greedy) == [drafts[0]]
+    sp = SamplingParams(temperature=0.8, top_k=5)
+    q = torch.rand(3, 10, generator=torch.Generator().manual_seed(1)).softmax(-1)
+    for seed in range(10):
+        got = verify(logits, drafts, q, sp, make_generator(seed))
+        want = rejection_sample(probs(logits, sp), drafts, q, make_generator(seed))
+        assert got == want
+    # no drafts: exactly plain sampling of the one row
+    for seed in range(5):
+        assert verify(logits[:1], [], None, sp, make_generator(seed)) == \
+            sample(logits[:1], sp, make_generator(seed)).tolist()
+
+
+def test_engine_seam_reexports_the_one_verifier():
+    from minillm.engine import spec_decode
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(2))
+    sp = SamplingParams(temperature=1.0)
+    assert spec_decode.verify(logits, [1, 2], None, sp, make_generator(3)) == \
+        verify(logits, [1, 2], None, sp, make_generator(3))
 
 
 # --- the learned draft's weights --------------------------------------------------------------------
