@@ -1,6 +1,6 @@
 """Benchmark: prefix caching on vs off on shared-prefix workloads at several hit rates.
 
-Workload (`minillm.prefix_workloads.shared_prefix_prompts`, seeded): G groups x P prompts per
+Workload (`minillm.lab.prefix_workloads.shared_prefix_prompts`, seeded): G groups x P prompts per
 group; every prompt has the same length L = S + Q, where the S system-prompt tokens are shared
 within a group and the Q question tokens are not. S is chosen per point so that the ideal token
 hit rate (P - 1) / P * S / L is about 0, 50, 80 and 95%. Prompts are random token ids, outputs
@@ -47,7 +47,7 @@ from minillm import SamplingParams, configs  # noqa: E402
 from minillm.cache.blocks import BlockManager  # noqa: E402
 from minillm.cache.prefix import PrefixCachingBlockManager  # noqa: E402
 from minillm.loader import random_model  # noqa: E402
-from minillm.prefix_workloads import ideal_hit_rate, shared_prefix_prompts  # noqa: E402
+from minillm.lab.prefix_workloads import ideal_hit_rate, shared_prefix_prompts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULTS = {

@@ -6,8 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minillm.cache.blocks import BlockManager, BlockPool, simulate_blocks
-from minillm.workloads import make_workload
+from minillm.cache.blocks import BlockManager, BlockPool
+from minillm.lab.memory_sim import simulate_blocks
+from minillm.lab.workloads import make_workload
 
 
 # --- BlockPool ----------------------------------------------------------------------------------

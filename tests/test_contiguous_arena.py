@@ -1,4 +1,5 @@
-"""The contiguous KV arena of chapter 02: slabs, first/best fit, fragmentation, the simulation."""
+"""The contiguous KV arena of chapter 02 (minillm.lab.arena, beside the real ContiguousKVCache):
+slabs, first/best fit, fragmentation, the simulation (minillm.lab.memory_sim)."""
 import matplotlib
 import pytest
 import torch
@@ -6,11 +7,12 @@ import torch
 matplotlib.use("Agg")
 
 from minillm import kvmath                                           # noqa: E402
-from minillm.cache.contiguous import (ContiguousArena, ContiguousKVCache,  # noqa: E402
-                                      plot_memory_map, simulate_arena)
+from minillm.cache.contiguous import ContiguousKVCache              # noqa: E402
 from minillm.configs import get                                      # noqa: E402
+from minillm.lab.arena import ContiguousArena                        # noqa: E402
+from minillm.lab.memory_sim import plot_memory_map, simulate_arena   # noqa: E402
+from minillm.lab.workloads import WorkloadRequest, make_workload     # noqa: E402
 from minillm.loader import random_model                              # noqa: E402
-from minillm.workloads import Request, make_workload                 # noqa: E402
 
 TINY = get("smollm2-135m").with_(name="tiny", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                                  hidden_size=64, intermediate_size=128, vocab_size=128,
@@ -148,7 +150,8 @@ def test_variable_slabs_fragment_the_arena():
 
 
 def test_simulation_rejects_requests_that_can_never_fit():
-    reqs = [Request(id=0, prompt_len=10, output_len=10, arrival_time=0.0, max_len_reserved=300)]
+    reqs = [WorkloadRequest(id=0, prompt_len=10, output_len=10, arrival_time=0.0,
+                            max_len_reserved=300)]
     with pytest.raises(ValueError, match="make the arena larger"):
         simulate_arena(reqs, ContiguousArena(200))
 

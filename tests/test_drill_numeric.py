@@ -1,14 +1,19 @@
 """Every numeric generator's answer equals an arithmetic recomputation written here by hand from
 the drawn parameters (model shapes from minillm.configs, GPU datasheet figures), for many seeds;
-and the drill's own formulas against independent references (simulation, minillm's BlockManager)."""
+and the formulas behind them against independent references (simulation, minillm's BlockManager).
+The speculative-decoding and Little's-law answers come from minillm.spec.theory and
+minillm.lab.capacity (the drill calls them, it keeps no copies)."""
 import math
 import random
 
 import pytest
+import torch
 
 from minillm import configs, drill, kvmath
 from minillm.cache.blocks import BlockManager
 from minillm.drill import formulas, generators
+from minillm.lab import capacity
+from minillm.spec import theory
 
 SEEDS = range(25)
 BYTES = {"bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
@@ -189,6 +194,7 @@ def test_generator_answer_equals_independent_recomputation(q):
 
 
 def test_expected_tokens_per_step_matches_simulation():
+    """The drill's speculative answers come from minillm.spec.theory: check it against a simulation."""
     rng = random.Random(0)
     for alpha, k in ((0.5, 4), (0.8, 3), (0.3, 6)):
         trials, total = 20000, 0
@@ -197,34 +203,42 @@ def test_expected_tokens_per_step_matches_simulation():
             while accepted < k and rng.random() < alpha:
                 accepted += 1
             total += accepted + 1                      # the target's own or bonus token
-        assert total / trials == pytest.approx(formulas.expected_tokens_per_step(alpha, k), rel=0.02)
+        assert total / trials == pytest.approx(theory.expected_tokens(alpha, k), rel=0.02)
 
 
 def test_break_even_is_where_speedup_is_one():
     for k, c in ((4, 0.05), (4, 0.2), (4, 0.5), (8, 0.1)):
-        a = formulas.break_even_alpha(k, c)
-        assert formulas.speculative_speedup(a, k, c) == pytest.approx(1.0, abs=1e-9)
-        assert formulas.speculative_speedup(min(0.999, a + 0.05), k, c) > 1
-        assert formulas.speculative_speedup(max(0.0, a - 0.05), k, c) < 1
+        a = theory.break_even_alpha(k, c)
+        assert theory.speedup(a, k, c) == pytest.approx(1.0, abs=1e-9)
+        assert theory.speedup(min(0.999, a + 0.05), k, c) > 1
+        assert theory.speedup(max(0.0, a - 0.05), k, c) < 1
     # the numbers a common claim gets wrong: break-even is not a fixed 50 %
-    assert formulas.break_even_alpha(4, 0.05) == pytest.approx(0.17, abs=0.01)
-    assert formulas.break_even_alpha(4, 0.5) == pytest.approx(0.74, abs=0.01)
-    assert formulas.speculative_speedup(0.5, 4, 0.05) == pytest.approx(1.61, abs=0.01)
+    assert theory.break_even_alpha(4, 0.05) == pytest.approx(0.17, abs=0.01)
+    assert theory.break_even_alpha(4, 0.5) == pytest.approx(0.74, abs=0.01)
+    assert theory.speedup(0.5, 4, 0.05) == pytest.approx(1.61, abs=0.01)
+    # a draft dearer than the target never pays, even when every draft is accepted:
+    # (k + 1) / (k c + 1) < 1, so there is no break-even (nan), not one "close to 1"
+    assert theory.speedup(1.0, 4, 1.5) < 1 and math.isnan(theory.break_even_alpha(4, 1.5))
 
 
 def test_acceptance_rate_is_one_minus_total_variation():
-    p, q = [0.6, 0.3, 0.1], [0.2, 0.5, 0.3]
-    tv = 0.5 * sum(abs(a - b) for a, b in zip(p, q))
-    assert formulas.acceptance_rate(p, q) == pytest.approx(1 - tv)
+    p, q = torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.2, 0.5, 0.3])
+    tv = 0.5 * float((p - q).abs().sum())
+    assert theory.acceptance_prob(p, q) == pytest.approx(1 - tv)
+    assert theory.total_variation(p, q) == pytest.approx(tv)
 
 
 def test_formula_inputs_are_checked():
     with pytest.raises(ValueError, match="alpha"):
-        formulas.speculative_speedup(1.0, 4, 0.1)
-    with pytest.raises(ValueError, match="k"):
-        formulas.expected_tokens_per_step(0.5, 0)
+        theory.speedup(1.5, 4, 0.1)
+    with pytest.raises(ValueError, match="k >= 0"):
+        theory.expected_tokens(0.5, -1)
+    with pytest.raises(ValueError, match="c must be >= 0"):
+        theory.break_even_alpha(4, -0.1)
     with pytest.raises(ValueError, match="arrival rate"):
-        formulas.littles_law_latency(10, 0)
+        capacity.littles_law_latency(10, 0)
+    with pytest.raises(ValueError, match="num_gpus"):
+        capacity.cost_per_million_tokens(2.0, 1000, num_gpus=0)
     with pytest.raises(ValueError, match="unknown numeric generator"):
         generators.generate("nope", 0, {})
 

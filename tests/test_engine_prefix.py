@@ -13,7 +13,7 @@ from test_engine_modes import VOCAB, check_invariants, run_engine, sequential, t
 import minillm
 from minillm import SamplingParams
 from minillm.engine import LLMEngine
-from minillm.prefix_workloads import shared_prefix_prompts
+from minillm.lab.prefix_workloads import shared_prefix_prompts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -1,7 +1,7 @@
 """Shared-prefix traces (chapter 06): seeded, shaped as documented, hit rates as predicted."""
 import pytest
 
-from minillm.prefix_workloads import (ideal_hit_rate, multi_turn_chat, shared_prefix_prompts,
+from minillm.lab.prefix_workloads import (ideal_hit_rate, multi_turn_chat, shared_prefix_prompts,
                                       system_len_for_hit_rate)
 
 

@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.cache.radix import RadixCache
+from minillm.lab.radix import RadixCache
 
 
 def test_insert_splits_and_match_is_a_prefix_match():
@@ -77,8 +77,8 @@ def _edges(t):
 # --- replays: the two indexes on the same traces -----------------------------------------------
 
 def test_radix_hits_equal_hash_chain_at_block_size_1_and_beat_block_16():
-    from minillm.cache.prefix_sim import replay_hash_chain, replay_radix
-    from minillm.prefix_workloads import ideal_hit_rate, shared_prefix_prompts
+    from minillm.lab.prefix_sim import replay_hash_chain, replay_radix
+    from minillm.lab.prefix_workloads import ideal_hit_rate, shared_prefix_prompts
     prompts = shared_prefix_prompts(3, 5, system_len=21, question_len=6, vocab_size=50, seed=1)
     radix, bs1, bs16 = replay_radix(prompts), replay_hash_chain(prompts, 1), replay_hash_chain(prompts, 16)
     assert radix.hit_tokens == bs1.hit_tokens > bs16.hit_tokens > 0
@@ -88,7 +88,7 @@ def test_radix_hits_equal_hash_chain_at_block_size_1_and_beat_block_16():
 
 
 def test_longest_prefix_first_keeps_more_hits_under_memory_pressure():
-    from minillm.cache.prefix_sim import replay_radix
+    from minillm.lab.prefix_sim import replay_radix
     a, b = [1] * 30, [2] * 30
     queue = [a + [i] for i in range(3)] + [b + [i] for i in range(3)]
     queue = [queue[i] for i in (0, 3, 1, 4, 2, 5)]                   # groups alternate

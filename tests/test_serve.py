@@ -612,21 +612,21 @@ def test_a_fault_in_one_requests_step_fails_that_request_only(model, tok):
 def test_replay_advances_its_virtual_clock_by_the_step_cost():
     """The replay's clock moves by exactly cost(tokens, sequences) per step, and Little's law
     holds on what it measures (the notebook's sweep relies on both)."""
+    from minillm.lab.serving_replay import StepCost, poisson_trace, replay_serving
     from minillm.metrics import summarize
-    from minillm.serve.replay import StepCost, poisson_trace, replay
     cfg = configs.get("smollm2-135m").with_(
         name="tiny", num_layers=1, hidden_size=16, intermediate_size=32, num_heads=2,
         num_kv_heads=1, head_dim=8, vocab_size=32, max_position_embeddings=256)
     tiny = random_model(cfg, "cpu", torch.float32)
     cost = StepCost(fixed=0.04, per_token=0.002, per_seq=0.001)
-    run = replay(tiny, poisson_trace([[1] * 16] * 8, [5] * 8, float("inf")), cost,
-                 max_num_seqs=8, num_kv_blocks=16, block_size=16, max_num_batched_tokens=128)
+    run = replay_serving(tiny, poisson_trace([[1] * 16] * 8, [5] * 8, float("inf")), cost,
+                         max_num_seqs=8, num_kv_blocks=16, block_size=16, max_num_batched_tokens=128)
     # step 1: 8 prompts of 16 tokens; steps 2-5: 8 decodes
     assert [(s.num_tokens, s.num_seqs) for s in run.steps] == [(128, 8)] + [(8, 8)] * 4
     assert run.end_time == pytest.approx(cost(128, 8) + 4 * cost(8, 8))
     assert all(o.metrics.ttft == pytest.approx(cost(128, 8)) for o in run.outputs)
-    run = replay(tiny, poisson_trace([[1] * 16] * 40, [5] * 40, 10.0, seed=1), cost,
-                 max_num_seqs=4, num_kv_blocks=32, block_size=16, max_num_batched_tokens=64)
+    run = replay_serving(tiny, poisson_trace([[1] * 16] * 40, [5] * 40, 10.0, seed=1), cost,
+                         max_num_seqs=4, num_kv_blocks=32, block_size=16, max_num_batched_tokens=64)
     s = summarize(run.metrics)
     little = s["requests_per_s"] * s["e2e_latency_mean"]
     assert run.time_average_in_system() == pytest.approx(little, rel=0.1)
@@ -635,7 +635,8 @@ def test_replay_advances_its_virtual_clock_by_the_step_cost():
 def test_load_generator_against_the_server(server, tok):
     """bench_serve.py's client: every request completes with its workload output length (EOS
     ignored), the client-side timings are consistent, and the summary uses vLLM's definitions."""
-    from minillm.serve.loadgen import run_load, summarize_results, workload_requests
+    from minillm.lab.workloads import workload_requests
+    from minillm.serve.loadgen import run_load, summarize_results
     reqs, capped = workload_requests(tok, "alpaca", 6, seed=0, max_input_len=40,
                                      max_output_len=12)
     assert all(len(tok.encode(r.prompt, add_special_tokens=False)) <= r.prompt_len

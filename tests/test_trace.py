@@ -1,15 +1,15 @@
-"""minillm.engine.trace: the step recorder (run_trace, describe) and the model-free replay.
+"""minillm.lab.step_trace: the step recorder (run_trace, describe) and the model-free replay_schedule.
 
 The recorder must report what the engine did, not what it expects: its per-step token counts are
 checked against the engine's own StepStats, preemption victims against a run forced to preempt,
-and the replay against the engine's schedule on the same trace.
+and replay_schedule against the engine's schedule on the same trace.
 """
 import pytest
 import torch
 
 from minillm import SamplingParams, configs
 from minillm.engine import LLMEngine
-from minillm.engine.trace import describe, replay, run_trace
+from minillm.lab.step_trace import describe, replay_schedule, run_trace
 from minillm.loader import random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,13 +99,13 @@ def test_replay_schedules_like_the_engine(model):
                                                                    ignore_eos=True))
             engine.step()
             step += 1
-        requests, steps = replay(trace, budget, chunked, lambda scheduled: 1.0, max_num_seqs=4,
-                                 num_blocks=64)
+        requests, steps = replay_schedule(trace, budget, chunked, lambda scheduled: 1.0,
+                                          max_num_seqs=4, num_blocks=64)
         assert steps == [(s.num_batched_tokens, s.num_prefill_tokens) for s in engine.step_stats]
         assert all(r.num_output_tokens == r.params.max_tokens for r in requests)
 
 
 def test_replay_reports_a_request_that_can_never_run():
     with pytest.raises(RuntimeError, match="cannot fit"):
-        replay([(0.0, "big", 100, 1)], budget=16, chunked=True, step_time=lambda s: 1.0,
-               max_num_seqs=4, num_blocks=4)      # 100 tokens need 7 blocks of 16
+        replay_schedule([(0.0, "big", 100, 1)], budget=16, chunked=True, step_time=lambda s: 1.0,
+                        max_num_seqs=4, num_blocks=4)      # 100 tokens need 7 blocks of 16

@@ -1,4 +1,4 @@
-"""minillm.viz: the drawings and controls the lectures use (headless: Agg backend)."""
+"""minillm.lab.viz: the drawings and controls the lectures use (headless: Agg backend)."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -7,8 +7,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from minillm import viz  # noqa: E402
 from minillm.cache.blocks import BlockManager  # noqa: E402
+from minillm.lab import viz  # noqa: E402
 
 
 class _Run:
@@ -86,8 +86,9 @@ def test_median_spread():
 
 
 def test_memory_map_legend_matches_the_map_colours():
-    from minillm.cache.contiguous import ContiguousArena, plot_memory_map, simulate_arena
-    from minillm.workloads import make_workload
+    from minillm.lab.arena import ContiguousArena
+    from minillm.lab.memory_sim import plot_memory_map, simulate_arena
+    from minillm.lab.workloads import make_workload
     work = make_workload(mix="sharegpt", num_requests=4, seed=0, context_len=256, rate=50.0,
                          reserve="context")
     trace = simulate_arena(work.requests, ContiguousArena(512), map_every=1)

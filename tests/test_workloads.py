@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from minillm.workloads import MIXES, make_workload, sample_lengths
+from minillm.lab.workloads import MIXES, make_workload, sample_lengths
 
 
 def test_same_seed_same_trace_and_other_seed_differs():

@@ -25,10 +25,8 @@ the code is our own.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Optional
-
-from .contiguous import MemoryTrace
 
 
 class BlockPool:
@@ -340,94 +338,3 @@ class BlockManager:
         for block_id in reversed(table):
             self.pool.decref(block_id)
         del self.tables[seq_id], self.lengths[seq_id]
-        self.prefix_cache.on_free(seq_id)
-
-
-def simulate_blocks(requests, num_blocks: int, block_size: int, step_time: float = 0.05,
-                    max_steps: int = 1_000_000, map_every: int = 1, map_bins: int = 256) -> MemoryTrace:
-    """Chapter 02's workload through paged blocks instead of slabs (memory only, no model).
-
-    Same step loop as `contiguous.simulate_arena` (FCFS admission; prefill writes the prompt,
-    decode one token a step; finish after prompt_len + output_len tokens), but a request takes
-    blocks as it grows instead of a max-length slab. Admission needs only the prompt's blocks.
-    When a decode step finds no free block, the most recently admitted request is preempted
-    (recompute: its blocks are freed and it rejoins the front of the queue, keeping the tokens
-    it generated, which it re-prefills on readmission).
-    """
-    requests = sorted(requests, key=lambda r: (r.arrival_time, r.id))
-    capacity = num_blocks * block_size
-    for r in requests:
-        if -(-r.total_len // block_size) > num_blocks:
-            raise ValueError(f"request {r.id} needs {r.total_len} tokens but the pool holds "
-                             f"{capacity}; use more blocks")
-    mgr = BlockManager(num_blocks, block_size)
-    stride = max(1, -(-capacity // map_bins))
-    trace = MemoryTrace(capacity=capacity, map_stride=stride)
-    waiting = deque(requests)
-    running: dict = {}                                        # req_id -> request, admission order
-    generated: dict = {}                                      # req_id -> output tokens written
-    step = 0
-    while waiting or running:
-        if step >= max_steps:
-            raise ValueError(f"simulation did not finish in {max_steps} steps; raise max_steps")
-        now = step * step_time
-        if not running and waiting[0].arrival_time > now:       # idle: jump to the next arrival
-            step = max(step + 1, int(-(-waiting[0].arrival_time // step_time)))
-            continue
-        blocked, admitted = "", []
-        while waiting and waiting[0].arrival_time <= now:
-            r = waiting[0]
-            prefill = r.prompt_len + generated.get(r.id, 0)
-            if not mgr.can_allocate(r.id, prefill):
-                blocked = "no_space"
-                trace.num_refused += 1
-                break
-            waiting.popleft()
-            mgr.allocate(r.id, prefill)
-            running[r.id] = r
-            admitted.append(r.id)
-            trace.requests.setdefault(r.id, {}).setdefault("admit_step", step)
-        for rid in list(running):                             # oldest first
-            if rid in admitted or rid not in running:
-                continue
-            while rid in running and not mgr.can_allocate(rid, mgr.num_tokens(rid) + 1):
-                victim = next(reversed(running))              # most recently admitted
-                generated[victim] = mgr.num_tokens(victim) - running[victim].prompt_len
-                mgr.free(victim)
-                waiting.appendleft(running.pop(victim))
-                trace.num_preempted += 1
-            if rid in running:
-                mgr.allocate(rid, mgr.num_tokens(rid) + 1)
-        used = sum(mgr.lengths.values())
-        held = num_blocks - mgr.num_free_blocks
-        trace.steps.append({
-            "step": step, "time": now, "running": len(running), "waiting": len(waiting),
-            "admitted": len(admitted), "blocked": blocked, "num_slabs": len(running),
-            "reserved_tokens": held * block_size, "used_tokens": used,
-            "free_tokens": mgr.num_free_blocks * block_size,
-            "largest_free_extent": mgr.num_free_blocks * block_size,   # any free block serves
-            "internal_fragmentation": (held * block_size - used) / (held * block_size) if held else 0.0,
-            "external_fragmentation": 0.0})
-        if step % map_every == 0:
-            trace.maps.append((step, *_owner_map(mgr, capacity, stride)))
-        for rid in [rid for rid, r in running.items() if mgr.num_tokens(rid) >= r.total_len]:
-            r = running.pop(rid)
-            trace.requests[rid].update(finish_step=step, total_len=r.total_len,
-                                       reserved=len(mgr.tables[rid]) * block_size)
-            mgr.free(rid)
-        step += 1
-    return trace
-
-
-def _owner_map(mgr: BlockManager, capacity: int, stride: int):
-    import numpy as np
-    owner = np.full(capacity, -1, dtype=np.int64)
-    written = np.zeros(capacity, dtype=bool)
-    bs = mgr.block_size
-    for seq_id, table in mgr.tables.items():
-        n = mgr.lengths[seq_id]
-        code = seq_id if isinstance(seq_id, int) and seq_id >= 0 else abs(hash(seq_id)) % 2**31
-        for i, block_id in enumerate(table):
-            owner[block_id * bs:(block_id + 1) * bs] = code
-            written[block_id * bs:block_id * bs + min(bs, n - i * bs)] = True
-    return owner[::stride], written[::stride]

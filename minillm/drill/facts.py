@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from .. import configs, kvmath, roofline
+from ..spec import theory
 from . import formulas
 from .units import fmt_bytes, fmt_seconds
 
@@ -47,11 +48,11 @@ FACTS = {
     "ridge_a100": lambda: f"{roofline.ridge_point(_gpu('A100-SXM-80GB').bandwidth, _gpu('A100-SXM-80GB').bf16_flops):.0f} FLOP/byte",
     "bw_h100_a100_80": lambda: f"{_gpu('H100-SXM-80GB').bandwidth / _gpu('A100-SXM-80GB').bandwidth:.2f}x",
     "bw_h100_a100_40": lambda: f"{_gpu('H100-SXM-80GB').bandwidth / _gpu('A100-SXM-40GB').bandwidth:.2f}x",
-    "spec_k4_c005_a05": lambda: f"{formulas.speculative_speedup(0.5, 4, 0.05):.2f}x",
-    "spec_tokens_k4_a05": lambda: f"{formulas.expected_tokens_per_step(0.5, 4):.2f}",
-    "be_k4_c005": lambda: f"{formulas.break_even_alpha(4, 0.05):.2f}",
-    "be_k4_c02": lambda: f"{formulas.break_even_alpha(4, 0.2):.2f}",
-    "be_k4_c05": lambda: f"{formulas.break_even_alpha(4, 0.5):.2f}",
+    "spec_k4_c005_a05": lambda: f"{theory.speedup(0.5, 4, 0.05):.2f}x",
+    "spec_tokens_k4_a05": lambda: f"{theory.expected_tokens(0.5, 4):.2f}",
+    "be_k4_c005": lambda: f"{theory.break_even_alpha(4, 0.05):.2f}",
+    "be_k4_c02": lambda: f"{theory.break_even_alpha(4, 0.2):.2f}",
+    "be_k4_c05": lambda: f"{theory.break_even_alpha(4, 0.5):.2f}",
     "fork_4x100_at_fork": lambda: str(formulas.fork_blocks(100, 4, 16)["unshared"] - formulas.fork_blocks(100, 4, 16)["at_fork"]),
     "fork_4x100_after": lambda: str(formulas.fork_blocks(100, 4, 16)["unshared"] - formulas.fork_blocks(100, 4, 16)["after_first_write"]),
     "mlp_8k_llama3_8b": lambda: fmt_bytes(formulas.mlp_activation_bytes(8192, 14336)),

@@ -1,82 +1,17 @@
-"""Small formulas the drill needs that the engine does not compute for itself.
+"""Small formulas the drill needs that neither the engine nor the lab computes for itself.
 
 Everything here is a plain function of numbers, with the source of the formula in its docstring,
-so a generated question's answer is one call away from its working.
+so a generated question's answer is one call away from its working. Formulas the course already
+has are called, not copied: speculative decoding (tokens per step, speedup, break-even acceptance)
+from `minillm.spec.theory`, Little's law and cost per token from `minillm.lab.capacity`, KV and
+weight bytes from `minillm.kvmath`.
 """
 from __future__ import annotations
 
 import math
 
 
-# --- speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via
-#     Speculative Decoding", section 3) ------------------------------------------------------
-
-def _check_spec(alpha: float, k: int, c: float = 0.0) -> None:
-    if not 0 <= alpha < 1:
-        raise ValueError(f"alpha (per-token acceptance rate) must be in [0, 1), got {alpha}")
-    if int(k) != k or k < 1:
-        raise ValueError(f"k (draft tokens per step) must be a positive integer, got {k}")
-    if c < 0:
-        raise ValueError(f"c (draft cost relative to one target pass) must be >= 0, got {c}")
-
-
-def expected_tokens_per_step(alpha: float, k: int) -> float:
-    """Tokens emitted per target forward pass when each of k drafted tokens is accepted
-    independently with probability alpha: (1 - alpha^(k+1)) / (1 - alpha).
-    Between 1 (nothing accepted: the target's own token) and k + 1 (all accepted + the bonus)."""
-    _check_spec(alpha, k)
-    return (1 - alpha ** (k + 1)) / (1 - alpha)
-
-
-def speculative_speedup(alpha: float, k: int, c: float) -> float:
-    """Expected wall-clock speedup over plain decoding: tokens per step divided by the step's
-    cost in target passes (k draft passes of relative cost c, plus one verification pass):
-        (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1))
-    It assumes verifying k+1 tokens costs one decode step (true while decode is bandwidth-bound)."""
-    _check_spec(alpha, k, c)
-    return expected_tokens_per_step(alpha, k) / (k * c + 1)
-
-
-def break_even_alpha(k: int, c: float) -> float:
-    """The acceptance rate at which speculation neither helps nor hurts (speedup = 1), by bisection.
-    It depends on k and c; there is no single break-even acceptance."""
-    _check_spec(0.0, k, c)
-    if speculative_speedup(0.0, k, c) >= 1:       # a free draft (c = 0) never hurts
-        return 0.0
-    lo, hi = 0.0, 1 - 1e-12
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        if speculative_speedup(mid, k, c) < 1:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
-
-
-def acceptance_rate(p, q) -> float:
-    """Probability that a token drawn from the draft distribution q is accepted when verifying
-    against the target p by rejection sampling: sum_x min(p(x), q(x)) = 1 - TV(p, q)."""
-    if len(p) != len(q):
-        raise ValueError(f"p and q must have the same length, got {len(p)} and {len(q)}")
-    return float(sum(min(a, b) for a, b in zip(p, q)))
-
-
 # --- queueing -----------------------------------------------------------------------------
-
-def littles_law_concurrency(arrival_rate: float, latency_s: float) -> float:
-    """Little's law L = lambda x W: requests in the system on average = arrivals per second x
-    seconds each spends in it. Holds for any stable system, whatever the distributions."""
-    if arrival_rate < 0 or latency_s < 0:
-        raise ValueError("arrival rate and latency must be >= 0")
-    return arrival_rate * latency_s
-
-
-def littles_law_latency(concurrency: float, arrival_rate: float) -> float:
-    """W = L / lambda."""
-    if arrival_rate <= 0:
-        raise ValueError(f"arrival rate must be positive, got {arrival_rate}")
-    return concurrency / arrival_rate
-
 
 def request_latency(ttft_s: float, tpot_s: float, output_tokens: int) -> float:
     """End-to-end latency of one request: the first token at TTFT, then n - 1 gaps of TPOT
@@ -139,14 +74,6 @@ def recompute_flop_ratio(num_tokens: int) -> float:
 
 
 # --- costs and transfers -------------------------------------------------------------------
-
-def cost_per_million_tokens(gpu_dollars_per_hour: float, tokens_per_s: float,
-                            num_gpus: int = 1) -> float:
-    """Dollars per million output tokens: hourly price of the GPUs / tokens per hour x 1e6."""
-    if tokens_per_s <= 0:
-        raise ValueError(f"tokens_per_s must be positive, got {tokens_per_s}")
-    return gpu_dollars_per_hour * num_gpus / (tokens_per_s * 3600) * 1e6
-
 
 def transfer_seconds(nbytes: float, bandwidth_bytes_per_s: float) -> float:
     """Time to move nbytes over a link of the given bandwidth (no latency term)."""

@@ -3,8 +3,8 @@
 A generator takes a seeded `random.Random` and the question's options from the bank and returns a
 `Numeric`: the prompt, the value (in the base unit of its dimension), the tolerance, the working
 shown in the feedback, and the drawn parameters (tests recompute the answer from them by hand).
-The answers come from `minillm.kvmath`, `minillm.roofline` and `minillm.drill.formulas`; nothing is
-typed in.
+The answers come from `minillm.kvmath`, `minillm.roofline`, `minillm.spec.theory`,
+`minillm.lab.capacity` and `minillm.drill.formulas`; nothing is typed in.
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .. import configs, kvmath, roofline
+from ..lab import capacity
+from ..spec import theory
 from . import formulas
 from .units import fmt_bytes, fmt_seconds, fmt_value
 
@@ -485,8 +487,8 @@ def _spec_params(rng):
 @generator
 def spec_speedup(rng, **o) -> Numeric:
     alpha, k, c = _spec_params(rng)
-    v = formulas.speculative_speedup(alpha, k, c)
-    t = formulas.expected_tokens_per_step(alpha, k)
+    v = theory.speedup(alpha, k, c)
+    t = theory.expected_tokens(alpha, k)
     return Numeric(
         f"Speculative decoding with k = {k} draft tokens per step, per-token acceptance rate "
         f"alpha = {alpha}, and a draft that costs c = {c} of a target forward pass per token. "
@@ -499,7 +501,7 @@ def spec_speedup(rng, **o) -> Numeric:
 @generator
 def spec_tokens_per_step(rng, **o) -> Numeric:
     alpha, k, _ = _spec_params(rng)
-    v = formulas.expected_tokens_per_step(alpha, k)
+    v = theory.expected_tokens(alpha, k)
     return Numeric(
         f"k = {k} draft tokens, each accepted with probability alpha = {alpha} (independently, "
         f"stopping at the first rejection). Expected tokens emitted per verification step, counting "
@@ -512,7 +514,7 @@ def spec_tokens_per_step(rng, **o) -> Numeric:
 def spec_break_even(rng, **o) -> Numeric:
     k = rng.choice([2, 3, 4, 5, 8])
     c = rng.choice([0.05, 0.1, 0.2, 0.3, 0.5])
-    v = formulas.break_even_alpha(k, c)
+    v = theory.break_even_alpha(k, c)
     return Numeric(
         f"k = {k} draft tokens per step and a draft costing c = {c} of a target pass per token. "
         f"Below what per-token acceptance rate does speculation make decoding slower?",
@@ -526,7 +528,7 @@ def spec_break_even(rng, **o) -> Numeric:
 def littles_concurrency(rng, **o) -> Numeric:
     rate = rng.choice([2, 5, 10, 20, 50, 100])
     latency = rng.choice([0.5, 1.5, 3, 6, 12, 20])
-    v = formulas.littles_law_concurrency(rate, latency)
+    v = capacity.littles_law_concurrency(rate, latency)
     return Numeric(
         f"A service receives {rate} requests/s on average and each request spends {latency} s in "
         f"the system (queue + prefill + decode). How many requests are in flight on average?",
@@ -538,7 +540,7 @@ def littles_concurrency(rng, **o) -> Numeric:
 def littles_latency(rng, **o) -> Numeric:
     slots = rng.choice([16, 32, 64, 128, 256])
     rate = rng.choice([4, 8, 10, 16, 25])
-    v = formulas.littles_law_latency(slots, rate)
+    v = capacity.littles_law_latency(slots, rate)
     return Numeric(
         f"An engine holds at most {slots} requests at once and is kept full; requests complete at "
         f"{rate} per second. How long does each request stay in the engine on average?",
@@ -564,7 +566,7 @@ def cost_per_mtok(rng, **o) -> Numeric:
     price = rng.choice([1.2, 2.0, 2.5, 3.5, 4.0])
     tps = rng.choice([500, 1500, 3000, 6000, 12000])
     ngpu = rng.choice([1, 2, 4, 8])
-    v = formulas.cost_per_million_tokens(price, tps, ngpu)
+    v = capacity.cost_per_million_tokens(price, tps, ngpu)
     return Numeric(
         f"{ngpu} GPU(s) at ${price}/hour each produce {tps:,} output tokens/s in total at a steady "
         f"load. Cost per million output tokens?",

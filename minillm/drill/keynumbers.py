@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .. import configs, kvmath, roofline
+from ..spec import theory
 from . import formulas
 from .units import fmt_bytes, fmt_seconds
 
@@ -50,10 +51,10 @@ def key_numbers() -> str:
           "", "## Speculative decoding: speedup (1 - a^(k+1)) / ((1 - a)(k c + 1))", "",
           "| a \\ (k, c) | (4, 0.05) | (4, 0.2) | (8, 0.05) |", "|---|---:|---:|---:|"]
     for a in (0.5, 0.6, 0.7, 0.8, 0.9):
-        L.append(f"| {a} | {formulas.speculative_speedup(a, 4, 0.05):.2f}x | "
-                 f"{formulas.speculative_speedup(a, 4, 0.2):.2f}x | {formulas.speculative_speedup(a, 8, 0.05):.2f}x |")
-    L.append(f"| break-even | {formulas.break_even_alpha(4, 0.05):.2f} | {formulas.break_even_alpha(4, 0.2):.2f} | "
-             f"{formulas.break_even_alpha(8, 0.05):.2f} |")
+        L.append(f"| {a} | {theory.speedup(a, 4, 0.05):.2f}x | "
+                 f"{theory.speedup(a, 4, 0.2):.2f}x | {theory.speedup(a, 8, 0.05):.2f}x |")
+    L.append(f"| break-even | {theory.break_even_alpha(4, 0.05):.2f} | {theory.break_even_alpha(4, 0.2):.2f} | "
+             f"{theory.break_even_alpha(8, 0.05):.2f} |")
     L += ["", "## Rules", "",
           "- KV bytes/token = 2 x layers x KV heads x head_dim x bytes; GQA saves query heads / KV heads.",
           "- Decode step >= (weights + KV read) / bandwidth; prefill step >= 2 x params x tokens / FLOP/s.",

@@ -10,7 +10,8 @@ and the engine registers full blocks after each successful step.
     llm_engine.py    add_request / step / has_unfinished / abort_request
     llm.py           LLM.generate(prompts, sampling_params): the offline batch API
     outputs.py       RequestOutput / CompletionOutput
-    trace.py         run_trace / describe / replay: record or replay a schedule (lecture instrumentation)
+
+Recording or replaying a schedule for the lectures is lab equipment: `minillm.lab.step_trace`.
 """
 from .llm import LLM
 from .llm_engine import LLMEngine, StepStats

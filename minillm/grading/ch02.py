@@ -17,7 +17,7 @@ import random
 from numbers import Integral, Real
 from typing import Optional
 
-from ..cache.contiguous import ContiguousArena
+from ..lab.arena import ContiguousArena
 from .core import Check, Exercise
 from .hints import one_fit
 

@@ -187,40 +187,4 @@ def summarize_results(results: Sequence[RequestResult], duration: float,
     return out
 
 
-def workload_requests(tokenizer, mix: str = "alpaca", num_requests: int = 100, seed: int = 0,
-                      context_len: int = 2048, max_input_len: Optional[int] = None,
-                      max_output_len: Optional[int] = None) -> tuple:
-    """Prompts with the lengths of a `minillm.workloads` mix: text that the tokenizer encodes to
-    exactly prompt_len tokens (slices of a fixed passage). Returns (requests, num_capped)."""
-    from ..workloads import make_workload
-
-    wl = make_workload(mix, num_requests, seed=seed, context_len=context_len, reserve="oracle")
-    words = ("serving systems batch requests together so that the weights read from memory "
-             "for one step are shared by every sequence in it ").split()
-    base = tokenizer.encode(" ".join(words * 400), add_special_tokens=False)
-    rng = np.random.default_rng(seed)
-    reqs, capped = [], 0
-    for r in wl:
-        p, o = r.prompt_len, r.output_len
-        if max_input_len is not None and p > max_input_len:
-            p, capped = max_input_len, capped + 1
-        if max_output_len is not None and o > max_output_len:
-            o, capped = max_output_len, capped + 1
-        start = int(rng.integers(0, len(base) - p))
-        text = _text_of_length(tokenizer, base[start:start + p], p)
-        reqs.append(LoadRequest(text, p, o))
-    return reqs, capped
-
-
-def _text_of_length(tokenizer, ids, n: int) -> str:
-    """Decode ids to text, trimming until the text re-encodes to at most n tokens."""
-    ids = list(ids)
-    while True:
-        text = tokenizer.decode(ids)
-        if len(tokenizer.encode(text, add_special_tokens=False)) <= n or len(ids) <= 1:
-            return text
-        ids = ids[:-1]
-
-
-__all__ = ["LoadRequest", "RequestResult", "arrival_gaps", "run_load", "summarize_results",
-           "workload_requests"]
+__all__ = ["LoadRequest", "RequestResult", "arrival_gaps", "run_load", "summarize_results"]

@@ -1,7 +1,7 @@
-"""Capacity arithmetic for a serving deployment (chapter 08).
+"""Capacity arithmetic for a serving deployment (chapter 08 and the interview drill).
 
     littles_law_concurrency(rate, latency)  requests in the system = arrival rate x time in it
-    max_rate(concurrency, latency)          the inverse: how fast a fixed number of slots drains
+    littles_law_latency(concurrency, rate)  the inverse: time in the system = requests / rate
     cost_per_million_tokens(price, tok/s)   dollars per 1e6 tokens at a measured throughput
     step_peak_bytes(model, num_tokens)      memory one forward pass of num_tokens needs on top of
                                             what is already allocated, measured in a child process
@@ -23,20 +23,23 @@ def littles_law_concurrency(rate: float, mean_latency: float) -> float:
     return rate * mean_latency
 
 
-def max_rate(concurrency: float, mean_latency: float) -> float:
-    """lambda = L / W: the request rate `concurrency` slots sustain at `mean_latency` s each."""
-    if concurrency < 0 or mean_latency <= 0:
-        raise ValueError(f"need concurrency >= 0 and latency > 0, got {concurrency}, "
-                         f"{mean_latency}")
-    return concurrency / mean_latency
+def littles_law_latency(concurrency: float, rate: float) -> float:
+    """W = L / lambda: mean seconds a request spends in a system holding `concurrency` requests
+    on average while `rate` req/s pass through it (e.g. a full engine of max_num_seqs slots)."""
+    if concurrency < 0:
+        raise ValueError(f"concurrency must be >= 0, got {concurrency}")
+    if rate <= 0:
+        raise ValueError(f"arrival rate must be positive, got {rate}")
+    return concurrency / rate
 
 
-def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
-    """Dollars per 1e6 tokens for a machine at `price_per_hour` producing `tokens_per_s`."""
-    if price_per_hour < 0 or tokens_per_s <= 0:
-        raise ValueError(f"need price >= 0 and throughput > 0, got {price_per_hour}, "
-                         f"{tokens_per_s}")
-    return price_per_hour / (tokens_per_s * 3600.0) * 1e6
+def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float, num_gpus: int = 1) -> float:
+    """Dollars per 1e6 tokens for `num_gpus` machines at `price_per_hour` each producing
+    `tokens_per_s` in total: hourly price / tokens per hour x 1e6."""
+    if price_per_hour < 0 or tokens_per_s <= 0 or num_gpus < 1:
+        raise ValueError(f"need price >= 0, throughput > 0 and num_gpus >= 1, got "
+                         f"{price_per_hour}, {tokens_per_s}, {num_gpus}")
+    return price_per_hour * num_gpus / (tokens_per_s * 3600.0) * 1e6
 
 
 def _rss_bytes() -> int:
@@ -104,5 +107,5 @@ def _tensors(obj):
                 yield t
 
 
-__all__ = ["littles_law_concurrency", "max_rate", "cost_per_million_tokens", "step_peak_bytes",
-           "kv_pool_bytes"]
+__all__ = ["littles_law_concurrency", "littles_law_latency", "cost_per_million_tokens",
+           "step_peak_bytes", "kv_pool_bytes"]

@@ -15,12 +15,12 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from .prefix import PrefixCachingBlockManager
+from ..cache.prefix import PrefixCachingBlockManager
 from .radix import RadixCache
 
 
 @dataclass
-class ReplayResult:
+class PrefixReplayResult:
     hit_tokens: int
     prompt_tokens: int
     index_entries: int          # keys in the hash chain / nodes in the tree, at the end
@@ -31,7 +31,7 @@ class ReplayResult:
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def replay_hash_chain(prompts, block_size: int, num_blocks: int = None) -> ReplayResult:
+def replay_hash_chain(prompts, block_size: int, num_blocks: int = None) -> PrefixReplayResult:
     """Each prompt in turn: find its cached prefix, take its blocks, cache its full blocks, free
     it (its blocks stay cached until evicted). num_blocks=None: room for everything."""
     if num_blocks is None:
@@ -45,11 +45,11 @@ def replay_hash_chain(prompts, block_size: int, num_blocks: int = None) -> Repla
         bm.free(i)
         hits += len(found) * block_size
         total += len(p)
-    return ReplayResult(hits, total, bm.num_cached_blocks, index_bytes(bm.pool.cached))
+    return PrefixReplayResult(hits, total, bm.num_cached_blocks, index_bytes(bm.pool.cached))
 
 
 def replay_radix(prompts, capacity_tokens: int = None, batch_size: int = 1,
-                 policy: str = "fcfs") -> ReplayResult:
+                 policy: str = "fcfs") -> PrefixReplayResult:
     """Requests wait in a queue and run batch_size at a time; a running batch locks its paths,
     so eviction (to stay within capacity_tokens) takes only other prefixes. policy "fcfs" runs
     them in arrival order, "lpm" (SGLang's cache-aware order) runs the waiting requests with the
@@ -74,7 +74,7 @@ def replay_radix(prompts, capacity_tokens: int = None, batch_size: int = 1,
             locked.append(node)
         for node in locked:
             tree.unlock(node)
-    return ReplayResult(hits, total, tree.num_nodes, index_bytes(tree.root))
+    return PrefixReplayResult(hits, total, tree.num_nodes, index_bytes(tree.root))
 
 
 def index_bytes(obj) -> int:
@@ -99,4 +99,4 @@ def index_bytes(obj) -> int:
     return total
 
 
-__all__ = ["ReplayResult", "replay_hash_chain", "replay_radix", "index_bytes"]
+__all__ = ["PrefixReplayResult", "replay_hash_chain", "replay_radix", "index_bytes"]

@@ -1,4 +1,4 @@
-"""Replay a request trace through the real engine on a virtual clock (chapter 08 experiments).
+"""Replay a request trace through the real engine on a virtual clock (chapter 08 lab experiments).
 
 Load experiments on a real server take minutes per point on a CPU and come out noisy. Here the
 scheduler, the KV block pool, preemption and the metrics are minillm's own and run for real; only
@@ -9,7 +9,7 @@ number it reports (TTFT, ITL, queueing, preemptions) comes out of the same code 
 uses.
 
     cost = fit_step_cost(measured_step_stats)                    # seconds per step, fitted
-    run = replay(model, trace, cost, max_num_seqs=16, num_kv_blocks=256)
+    run = replay_serving(model, trace, cost, max_num_seqs=16, num_kv_blocks=256)
     summarize([o.metrics for o in run.outputs])                  # minillm.metrics
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 
 from ..engine import LLMEngine
 from ..sampling import SamplingParams
+from ..serve.loadgen import arrival_gaps
 
 
 class VirtualClock:
@@ -120,7 +121,7 @@ class StepRecord:
 
 
 @dataclass
-class ReplayResult:
+class ServingReplayResult:
     outputs: list                  # RequestOutput per trace request, in trace order (None: rejected)
     steps: list = field(default_factory=list)      # StepRecord per step
     engine: Optional[LLMEngine] = None
@@ -143,14 +144,14 @@ class ReplayResult:
 def poisson_trace(prompts: Sequence[list], max_tokens: Sequence[int], rate: float,
                   seed: int = 0, burstiness: float = 1.0) -> list:
     """TraceRequests with gamma(burstiness) inter-arrival gaps of mean 1/rate (Poisson at 1)."""
-    from .loadgen import arrival_gaps
     gaps = arrival_gaps(len(prompts), rate, burstiness, seed)
     times = np.cumsum(gaps)
     return [TraceRequest(float(t), list(p), int(m)) for t, p, m in zip(times, prompts, max_tokens)]
 
 
-def replay(model, trace: Sequence[TraceRequest], cost: StepCost, tokenizer=None,
-           admit: Optional[Callable[[int, int], bool]] = None, **engine_kwargs) -> ReplayResult:
+def replay_serving(model, trace: Sequence[TraceRequest], cost: StepCost, tokenizer=None,
+                   admit: Optional[Callable[[int, int], bool]] = None,
+                   **engine_kwargs) -> ServingReplayResult:
     """Run `trace` through a fresh LLMEngine whose clock is virtual: a step's duration is
     cost(batched tokens, sequences). Greedy, EOS ignored (outputs have exactly max_tokens);
     prefix caching off unless enable_prefix_caching=True is passed.
@@ -203,9 +204,9 @@ def replay(model, trace: Sequence[TraceRequest], cost: StepCost, tokenizer=None,
                                 stats.num_batched_tokens if stats else 0,
                                 stats.num_seqs if stats else 0, in_system, waiting,
                                 engine.num_preemptions - before))
-    return ReplayResult([results[i] for i in range(len(trace))], steps, engine, clock.now,
-                        rejected)
+    return ServingReplayResult([results[i] for i in range(len(trace))], steps, engine, clock.now,
+                               rejected)
 
 
 __all__ = ["VirtualClock", "StepCost", "fit_step_cost", "measure_step_cost", "TraceRequest", "StepRecord",
-           "ReplayResult", "poisson_trace", "replay"]
+           "ServingReplayResult", "poisson_trace", "replay_serving"]

@@ -1,7 +1,8 @@
-"""Seeded request workloads shared by chapters 02 (contiguous slabs) and 03 (paged blocks).
+"""Seeded request workloads shared by chapters 02 (contiguous slabs), 03 (paged blocks) and 08
+(serving: `workload_requests` turns a mix into prompt texts for the load generator).
 
-A workload is a list of `Request` records: how long each prompt is, how many tokens the model
-will generate for it, when it arrives, and how many tokens of KV memory a naive server reserves
+A workload is a list of `WorkloadRequest` records: how long each prompt is, how many tokens the
+model will generate for it, when it arrives, and how many tokens of KV memory a naive server reserves
 for it up front. Everything is drawn from a seeded numpy generator, so the same arguments give
 the same trace on every machine.
 
@@ -28,7 +29,7 @@ Lengths are rounded to whole tokens and are at least 1. A request must fit the m
 prompt_len <= context_len - 1 and prompt_len + output_len <= context_len. With
 reserve="max_tokens" the output is also capped at max_tokens (the server stops the request there).
 Every request that one of these upper limits shortened is counted in `Workload.num_clipped`
-and flagged with `Request.clipped`; `Workload.summary()` reports the means after clipping.
+and flagged with `WorkloadRequest.clipped`; `Workload.summary()` reports the means after clipping.
 
 Reservation a naive server makes (`reserve`)
 --------------------------------------------
@@ -59,7 +60,7 @@ RESERVE_POLICIES = ("context", "max_tokens", "oracle")
 
 
 @dataclass(frozen=True)
-class Request:
+class WorkloadRequest:
     id: int
     prompt_len: int
     output_len: int            # tokens the model will generate before it stops
@@ -80,7 +81,7 @@ class Workload:
     context_len: int
     reserve: str
     rate: Optional[float]      # requests per second (Poisson), None: all arrive at t = 0
-    requests: list[Request] = field(default_factory=list)
+    requests: list[WorkloadRequest] = field(default_factory=list)
 
     @property
     def num_clipped(self) -> int:
@@ -169,7 +170,48 @@ def make_workload(mix: str = "sharegpt", num_requests: int = 100, seed: int = 0,
             reserved = min(p + max_tokens, context_len)
         else:
             reserved = p + o
-        requests.append(Request(id=i, prompt_len=p, output_len=o, arrival_time=float(arrivals[i]),
-                                max_len_reserved=reserved, clipped=(p, o) != (p0, o0)))
+        requests.append(WorkloadRequest(id=i, prompt_len=p, output_len=o,
+                                        arrival_time=float(arrivals[i]),
+                                        max_len_reserved=reserved, clipped=(p, o) != (p0, o0)))
     return Workload(mix=mix, seed=seed, context_len=context_len, reserve=reserve, rate=rate,
                     requests=requests)
+
+
+def workload_requests(tokenizer, mix: str = "alpaca", num_requests: int = 100, seed: int = 0,
+                      context_len: int = 2048, max_input_len: Optional[int] = None,
+                      max_output_len: Optional[int] = None) -> tuple:
+    """Prompts with the lengths of a workload mix (see `make_workload`): text that the tokenizer
+    encodes to exactly prompt_len tokens (slices of a fixed passage), as
+    `minillm.serve.loadgen.LoadRequest`s for `run_load`. Returns (requests, num_capped)."""
+    from ..serve.loadgen import LoadRequest          # chapter 08's client; chapters 02-03 need none
+
+    wl = make_workload(mix, num_requests, seed=seed, context_len=context_len, reserve="oracle")
+    words = ("serving systems batch requests together so that the weights read from memory "
+             "for one step are shared by every sequence in it ").split()
+    base = tokenizer.encode(" ".join(words * 400), add_special_tokens=False)
+    rng = np.random.default_rng(seed)
+    reqs, capped = [], 0
+    for r in wl:
+        p, o = r.prompt_len, r.output_len
+        if max_input_len is not None and p > max_input_len:
+            p, capped = max_input_len, capped + 1
+        if max_output_len is not None and o > max_output_len:
+            o, capped = max_output_len, capped + 1
+        start = int(rng.integers(0, len(base) - p))
+        text = _text_of_length(tokenizer, base[start:start + p], p)
+        reqs.append(LoadRequest(text, p, o))
+    return reqs, capped
+
+
+def _text_of_length(tokenizer, ids, n: int) -> str:
+    """Decode ids to text, trimming until the text re-encodes to at most n tokens."""
+    ids = list(ids)
+    while True:
+        text = tokenizer.decode(ids)
+        if len(tokenizer.encode(text, add_special_tokens=False)) <= n or len(ids) <= 1:
+            return text
+        ids = ids[:-1]
+
+
+__all__ = ["MIXES", "RESERVE_POLICIES", "WorkloadRequest", "Workload", "make_workload",
+           "sample_lengths", "arrival_times", "lognormal_mu", "workload_requests"]

@@ -1,14 +1,14 @@
-"""Recording and replaying engine schedules, for chapters 04-05 (instrumentation, not serving).
+"""Recording and replaying engine schedules, for chapters 04-05 (lab instrumentation, not serving).
 
     run = run_trace(model, "continuous", prompts, max_tokens, arrive, scheduling="continuous")
     run.steps[k]            # what step k did: tokens per request, prefills, preemptions, queues
     print(describe(run, k)) # the scheduler's state after step k, as text
 
-    requests, steps = replay(trace, budget=512, chunked=True, step_time=lambda scheduled: 1.0)
+    requests, steps = replay_schedule(trace, budget=512, chunked=True, step_time=lambda scheduled: 1.0)
 
 `run_trace` drives a real `LLMEngine` one `step()` at a time, adding each request before the
 step it arrives at, and reads what the scheduler did from the engine's state (nothing in the
-engine knows it is being watched). `replay` runs the same `Scheduler` without a model: a
+engine knows it is being watched). `replay_schedule` runs the same `Scheduler` without a model: a
 modelled step time advances the clock, so a schedule can be studied at a scale no CPU runs.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 
 from ..cache.blocks import BlockManager
+from ..engine.llm_engine import LLMEngine
+from ..engine.request import Request, RequestStatus
+from ..engine.scheduler import Scheduler
 from ..sampling import SamplingParams
-from .llm_engine import LLMEngine
-from .request import Request, RequestStatus
-from .scheduler import Scheduler
 
 
 @dataclass
@@ -151,8 +151,8 @@ def describe(run: Run, k: int) -> str:
     return "\n".join(lines)
 
 
-def replay(trace, budget: int, chunked: bool, step_time, max_num_seqs: int = 64,
-           num_blocks: int = 40_000, block_size: int = 16):
+def replay_schedule(trace, budget: int, chunked: bool, step_time, max_num_seqs: int = 64,
+                    num_blocks: int = 40_000, block_size: int = 16):
     """Replay requests through minillm's Scheduler without a model.
 
     trace: (arrival_time, request_id, prompt_len, max_tokens) tuples. step_time(scheduled) ->

@@ -9,7 +9,7 @@
     memory_map_legend(ax)            # what solid, pale and white mean on a memory map (ch. 02-03)
 
 Nothing here imports the engine: the chapter 04 functions read the records of
-`minillm.engine.trace.run_trace` (plain dicts), and the block-table drawing reads a
+`minillm.lab.step_trace.run_trace` (plain dicts), and the block-table drawing reads a
 `BlockManager`. matplotlib and ipywidgets are imported when a function needs them.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def draw_block_tables(mgr, seqs, colors, ax=None):
 
 
 def memory_map_legend(ax, **legend_kw):
-    """Legend for `minillm.cache.contiguous.plot_memory_map`: solid = written, pale = held but not
+    """Legend for `minillm.lab.memory_sim.plot_memory_map`: solid = written, pale = held but not
     written, white = free (drawn in one example colour; every request has its own)."""
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Patch
