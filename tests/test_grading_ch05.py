@@ -74,9 +74,9 @@ def _runner_metadata(spans):
         req.num_computed_tokens = c
         bm.allocate(i, c + n)
         scheduled.append((req, n))
-    step, _ = runner.prepare(scheduled)
-    return {"cu_seqlens_q": step["cu_seqlens_q"].tolist(), "positions": step["positions"].tolist(),
-            "seq_lens": step["seq_lens"].tolist()}
+    meta = runner.prepare(scheduled).meta
+    return {"cu_seqlens_q": meta.cu_seqlens_q.tolist(), "positions": meta.positions.tolist(),
+            "seq_lens": meta.seq_lens.tolist()}
 
 
 def test_reference_metadata_is_what_the_model_runner_builds():

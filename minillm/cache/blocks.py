@@ -338,3 +338,4 @@ class BlockManager:
         for block_id in reversed(table):
             self.pool.decref(block_id)
         del self.tables[seq_id], self.lengths[seq_id]
+        self.prefix_cache.on_free(seq_id)

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 
 from .. import kernels
+from ..cache.paged import build_step_metadata
 from .core import Check, Exercise, expect_value_error
 from .core import Problem as _Problem
 from .core import checked as _checked
@@ -45,14 +46,12 @@ _FIELDS = ("cu_seqlens_q", "positions", "seq_lens")
 
 
 def reference_metadata(spans) -> dict:
-    """The rules of ModelRunner.prepare: sequence b computes positions [c, c + n) of its tokens;
-    its queries are rows cu[b] : cu[b + 1] of the flat batch; it attends over c + n keys."""
-    cu, positions, seq_lens = [0], [], []
-    for c, n in spans:
-        positions += range(c, c + n)
-        seq_lens.append(c + n)
-        cu.append(cu[-1] + n)
-    return {"cu_seqlens_q": cu, "positions": positions, "seq_lens": seq_lens}
+    """The engine's own rule, `minillm.cache.paged.build_step_metadata` (what the model runner
+    hands the paged cache): sequence b computes positions [c, c + n) of its tokens; its queries
+    are rows cu[b] : cu[b + 1] of the flat batch; it attends over c + n keys."""
+    meta = build_step_metadata(spans)
+    return {"cu_seqlens_q": meta.cu_seqlens_q.tolist(), "positions": meta.positions.tolist(),
+            "seq_lens": meta.seq_lens.tolist()}
 
 
 def _as_int_list(value, name: str, what: str) -> list:
