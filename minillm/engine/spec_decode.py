@@ -56,7 +56,8 @@ class DraftRequest:
     num_drafts: int                 # k for this sequence, >= 1
     params: SamplingParams
     generator: Optional[torch.Generator]
-    hidden: Optional[torch.Tensor] = None   # [C] target hidden state that produced the last token (Medusa)
+    hidden: Optional[torch.Tensor] = None   # [C] target hidden state that produced the last
+                                            # token (Medusa)
     state: object = None            # this proposer's per-sequence state from the last call, or None
 
 
@@ -64,7 +65,7 @@ class DraftRequest:
 class Draft:
     """A proposer's answer for one sequence."""
     token_ids: list                 # 0 .. num_drafts ids
-    probs: Optional[torch.Tensor]   # [len(token_ids), V] draft distributions; None for one-hot drafts
+    probs: Optional[torch.Tensor]   # [len(token_ids), V] draft distributions; None: one-hot drafts
     state: object = None            # the caller keeps it and passes it back next time
 
 

@@ -125,7 +125,7 @@ class DraftModelProposer:
     call rolls the cache back to the longest prefix it shares with the request's tokens (the
     target rejected the rest), feeds the new tokens, then drafts k tokens one at a time."""
     needs_hidden = False
-    config_keys = ("model", "draft_num_layers")   # a model / checkpoint, or the target's first layers
+    config_keys = ("model", "draft_num_layers")   # a model or checkpoint; else the first layers
 
     def __init__(self, draft_model, num_speculative_tokens: int = 4):
         self.model, self.num_speculative_tokens = draft_model.eval(), num_speculative_tokens
