@@ -81,7 +81,8 @@ def proposers(model, args):
     if not spec.DEFAULT_WEIGHTS.exists():
         del configs["medusa"]
     out = {"none": None} if "none" in wanted else {}
-    out.update({m: spec.build_proposer(make(), model) for m, make in configs.items() if m in wanted})
+    out.update({m: spec.build_proposer(make(), model)
+                for m, make in configs.items() if m in wanted})
     return out
 
 

@@ -193,6 +193,9 @@ def test_engine_and_batch1_loop_propose_the_same_drafts(model, heads, method, te
      "prompt_lookup_min <= prompt_lookup_max"),
     (dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=0), "prompt_lookup_min"),
     (dict(method="medusa", num_speculative_tokens=2, prompt_lookup_max=2), "for method 'ngram'"),
+    (dict(method="ngram", num_speculative_tokens=2, weights="h.safetensors"),
+     "weights is for method 'medusa', not 'ngram'"),
+    (dict(method="draft_model", num_speculative_tokens=2, draft_num_layers=0), "draft_num_layers"),
     (dict(method="ngram", num_speculative_tokens=2, lookahead=3), "unknown speculative_config"),
     ("ngram", "must be a dict"),
 ])

@@ -302,7 +302,7 @@ def test_batch_propose_is_one_draft_per_request_and_never_exceeds_k(tiny, name, 
             assert len(d.token_ids) == a.num_drafts
         if temperature == 0.0 or name == "ngram":
             assert d.probs is None
-        else:                                          # q rows: distributions, the draft in q's support
+        else:                                   # q rows: distributions holding their draft
             assert d.probs.shape == (len(d.token_ids), VOCAB)
             assert torch.allclose(d.probs.sum(-1), torch.ones(len(d.token_ids)))
             assert all(d.probs[i, t] > 0 for i, t in enumerate(d.token_ids))
@@ -330,7 +330,7 @@ def test_draft_model_rolls_back_to_what_the_target_kept(tiny):
     greedy = SamplingParams(temperature=0.0)
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
     first = prop.propose([DraftRequest(tokens, 3, greedy, None)])[0]
-    kept = tokens + first.token_ids[:1] + [(first.token_ids[1] + 1) % VOCAB]   # 1 accepted + a correction
+    kept = tokens + first.token_ids[:1] + [(first.token_ids[1] + 1) % VOCAB]   # 1 kept + 1 new
     again = prop.propose([DraftRequest(kept, 3, greedy, None, state=first.state)])[0]
     fresh = prop.propose([DraftRequest(kept, 3, greedy, None)])[0]
     assert again.token_ids == fresh.token_ids
@@ -382,7 +382,7 @@ def test_verify_is_greedy_accept_or_rejection_sample_on_probs():
     logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(0)) * 2   # [1 + k, V]
     drafts = logits.argmax(-1)[:3].tolist()
     greedy = SamplingParams(temperature=0.0)
-    assert verify(logits, drafts, None, greedy) == logits.argmax(-1).tolist()    # all accepted + bonus
+    assert verify(logits, drafts, None, greedy) == logits.argmax(-1).tolist()   # all + bonus
     assert verify(logits, [(drafts[0] + 1) % 10] + drafts[1:], None, greedy) == [drafts[0]]
     sp = SamplingParams(temperature=0.8, top_k=5)
     q = torch.rand(3, 10, generator=torch.Generator().manual_seed(1)).softmax(-1)

@@ -46,10 +46,7 @@ import torch
 
 from ..sampling import SamplingParams
 
-METHODS = ("ngram", "medusa", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
-KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-        "draft_num_layers", "weights"}
 
 
 @dataclass
@@ -59,7 +56,8 @@ class DraftRequest:
     num_drafts: int                 # k for this sequence, >= 1
     params: SamplingParams
     generator: Optional[torch.Generator]
-    hidden: Optional[torch.Tensor] = None   # [C] target hidden state that produced the last token (Medusa)
+    hidden: Optional[torch.Tensor] = None   # [C] target hidden state that produced the last
+                                            # token (Medusa)
     state: object = None            # this proposer's per-sequence state from the last call, or None
 
 
@@ -67,7 +65,7 @@ class DraftRequest:
 class Draft:
     """A proposer's answer for one sequence."""
     token_ids: list                 # 0 .. num_drafts ids
-    probs: Optional[torch.Tensor]   # [len(token_ids), V] draft distributions; None for one-hot drafts
+    probs: Optional[torch.Tensor]   # [len(token_ids), V] draft distributions; None: one-hot drafts
     state: object = None            # the caller keeps it and passes it back next time
 
 
@@ -81,16 +79,21 @@ class NoProposer:
 
 
 def parse_speculative_config(config) -> dict:
-    """Validate a speculative_config dict (before any model is loaded). ValueError names the fix."""
+    """Validate a speculative_config dict (before any model is loaded): the keys every method
+    shares here, the method's own keys by its proposer class (`config_keys`, `check_config`).
+    Returns the config with defaults filled in. ValueError names the fix."""
     if not isinstance(config, dict):
         raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
                          f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
-    unknown = set(config) - KEYS
+    from ..spec.proposers import PROPOSERS       # chapter 07: only with a real config
+    owners = {key: m for m, cls in PROPOSERS.items() for key in cls.config_keys}
+    unknown = set(config) - {"method", "num_speculative_tokens"} - set(owners)
     if unknown:
-        raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: {sorted(KEYS)}")
+        raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: "
+                         f"{sorted({'method', 'num_speculative_tokens'} | set(owners))}")
     method = config.get("method")
-    if method not in METHODS:
-        raise ValueError(f"unknown speculative method {method!r}; use one of {METHODS}")
+    if method not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {method!r}; use one of {tuple(PROPOSERS)}")
     k = config.get("num_speculative_tokens")
     if k is None or isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"num_speculative_tokens must be a positive integer, got {k!r}")
@@ -98,16 +101,10 @@ def parse_speculative_config(config) -> dict:
         raise ValueError(f"num_speculative_tokens={k} is too large: at most "
                          f"{MAX_SPECULATIVE_TOKENS} (acceptance falls geometrically with the "
                          "draft position, so long drafts only waste verification work; 2-8 is usual)")
-    out = dict(config, num_speculative_tokens=k)
-    if method == "ngram":
-        from ..spec.ngram import check_lookup
-        lo, hi = config.get("prompt_lookup_min", 1), config.get("prompt_lookup_max", 4)
-        check_lookup(k, lo, hi)
-        out.update(prompt_lookup_min=lo, prompt_lookup_max=hi)
-    elif "prompt_lookup_min" in config or "prompt_lookup_max" in config:
-        raise ValueError(f"prompt_lookup_min / prompt_lookup_max are for method 'ngram', not "
-                         f"{method!r}; remove them")
-    return out
+    for key in sorted(set(config) & set(owners)):
+        if owners[key] != method:
+            raise ValueError(f"{key} is for method {owners[key]!r}, not {method!r}; remove it")
+    return PROPOSERS[method].check_config(dict(config))
 
 
 def build_proposer(speculative_config: Optional[dict], model):

@@ -25,6 +25,7 @@ from .stats import SpecStats
 from . import theory
 
 __all__ = ["rejection_sample", "greedy_accept", "residual", "verify", "ngram_propose",
-           "NgramProposer", "MedusaProposer", "MedusaHeads", "DraftModelProposer", "DraftModelState",
+           "NgramProposer", "MedusaProposer", "MedusaHeads", "DraftModelProposer",
+           "DraftModelState",
            "early_exit_model", "skip_layer_model", "speculative_generate", "SpecStats", "theory",
            "DEFAULT_WEIGHTS", "Draft", "DraftRequest", "NoProposer", "build_proposer"]

@@ -57,7 +57,7 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
     hidden = cap.value[0, -1] if needs_hidden else None            # [C]
     out = [int(sample(logits[:, -1], sampling, gen))]
     tokens = input_ids[0].tolist() + out
-    state = None                                                   # the proposer's, for this sequence
+    state = None                                  # the proposer's state for this sequence
     while not stop_reason(sampling, out, eos, max_new_tokens):
         k = min(k_max, max_new_tokens - len(out) - 1)
         draft = Draft([], None, state)

@@ -5,6 +5,9 @@ One class per method, all behind the engine's seam (minillm/engine/spec_decode.p
 
     propose(requests: list[DraftRequest]) -> list[Draft]     one Draft per request, same order
 
+and, for speculative_config, `config_keys` (its own options), `check_config(cfg)` (checks them
+before any model is loaded) and `from_config(cfg, model)` (what `build_proposer` calls once).
+
     NgramProposer       prompt lookup; one-hot drafts (probs None), free to compute
     MedusaProposer      extra decoding heads on the target's last hidden state (medusa.py);
                         one batched head pass for all requests
@@ -46,12 +49,21 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator=None):
 class NgramProposer:
     """Prompt lookup (ngram.py) for every request; one-hot drafts."""
     needs_hidden = False
+    config_keys = ("prompt_lookup_min", "prompt_lookup_max")     # speculative_config options
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  num_speculative_tokens: int = 4):
         check_lookup(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
         self.prompt_lookup_min, self.prompt_lookup_max = prompt_lookup_min, prompt_lookup_max
         self.num_speculative_tokens = num_speculative_tokens
+
+    @staticmethod
+    def check_config(cfg: dict) -> dict:
+        cfg.setdefault("prompt_lookup_min", 1)
+        cfg.setdefault("prompt_lookup_max", 4)
+        check_lookup(cfg["num_speculative_tokens"], cfg["prompt_lookup_min"],
+                     cfg["prompt_lookup_max"])
+        return cfg
 
     @classmethod
     def from_config(cls, cfg: dict, model) -> "NgramProposer":
@@ -66,6 +78,7 @@ class NgramProposer:
 class MedusaProposer:
     """Heads on the target's hidden state at the position that produced the last token."""
     needs_hidden = True
+    config_keys = ("weights",)             # a MedusaHeads or a file; default DEFAULT_WEIGHTS
 
     def __init__(self, model, heads: MedusaHeads, num_speculative_tokens: int = None):
         heads.check_model(model)
@@ -75,6 +88,10 @@ class MedusaProposer:
                              f"{heads.num_heads} heads; lower it to <= {heads.num_heads}")
         self.model, self.num_speculative_tokens = model, k
         self.heads = heads.to(device=model.device, dtype=model.dtype).eval()
+
+    @staticmethod
+    def check_config(cfg: dict) -> dict:
+        return cfg                         # the weights are checked against the model on load
 
     @classmethod
     def from_config(cls, cfg: dict, model) -> "MedusaProposer":
@@ -108,9 +125,18 @@ class DraftModelProposer:
     call rolls the cache back to the longest prefix it shares with the request's tokens (the
     target rejected the rest), feeds the new tokens, then drafts k tokens one at a time."""
     needs_hidden = False
+    config_keys = ("model", "draft_num_layers")   # a model or checkpoint; else the first layers
 
     def __init__(self, draft_model, num_speculative_tokens: int = 4):
         self.model, self.num_speculative_tokens = draft_model.eval(), num_speculative_tokens
+
+    @staticmethod
+    def check_config(cfg: dict) -> dict:
+        n = cfg.get("draft_num_layers")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"draft_num_layers must be a positive integer (the target's first "
+                             f"layers that draft), got {n!r}")
+        return cfg
 
     @classmethod
     def from_config(cls, cfg: dict, model) -> "DraftModelProposer":

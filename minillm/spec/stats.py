@@ -38,7 +38,7 @@ class SpecStats:
             self.accepted_per_position[i] += 1
 
     def merge(self, other: "SpecStats") -> None:
-        """Add another run's counts and times to these (e.g. one SpecStats per prompt -> a total)."""
+        """Add another run's counts and times to these (one SpecStats per prompt -> a total)."""
         for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_target_forwards",
                   "num_emitted_tokens", "draft_time", "total_time"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
