@@ -142,7 +142,12 @@ def meta_seq_lens_context_only(spans):
 
 
 def meta_trusts_the_caller(spans):
-    return ch05.reference_metadata(spans)
+    cu, positions, seq_lens = [0], [], []                     # right rules, no checks at all
+    for c, n in spans:
+        positions += range(c, c + n)
+        seq_lens.append(c + n)
+        cu.append(cu[-1] + n)
+    return {"cu_seqlens_q": cu, "positions": positions, "seq_lens": seq_lens}
 
 
 def meta_as_tensors_but_float(spans):

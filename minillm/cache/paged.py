@@ -72,8 +72,6 @@ def build_step_metadata(spans, block_tables=None, block_size: Optional[int] = No
         positions += range(c, c + n)
         seq_lens.append(c + n)
         cu.append(cu[-1] + n)
-    if not seq_lens:
-        raise ValueError("a step needs at least one sequence")
     slots = tables = None
     if block_tables is not None:
         bs = block_size
@@ -84,10 +82,10 @@ def build_step_metadata(spans, block_tables=None, block_size: Optional[int] = No
                                  f"step reaches position {end - 1}; allocate its blocks first")
         slots = [t[p // bs] * bs + p % bs for t, (c, n) in zip(tables, spans)
                  for p in range(c, c + n)]
-        width = max(len(t) for t in tables)
+        width = max((len(t) for t in tables), default=0)
         tables = [t + [0] * (width - len(t)) for t in tables]    # pad; kernels read < seq_len
         slots = torch.tensor(slots, dtype=torch.long, device=device)
-        tables = torch.tensor(tables, dtype=torch.int32, device=device)
+        tables = torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(spans), width)
     return StepMetadata(
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
