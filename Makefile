@@ -1,5 +1,5 @@
 # make lab   - create .venv if missing, install minillm + course deps + the bundled model, open JupyterLab
-# make test  - the same environment; unit tests, then nbval over notebooks/ and solutions/
+# make test  - the same environment; ruff, unit tests, then nbval over notebooks/ and solutions/
 # make test-gpu     - on a CUDA machine: the Triton kernels compiled for the GPU (no interpreter),
 #                     then nbval over notebooks/ on the GPU
 # make test-browser - JupyterLab in headless Chromium: run a lecture, move a widget (CI runs it too)
@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.minillm-installed
 NB_TIMEOUT ?= 600
 
-.PHONY: lab test unit nbval test-gpu gpu-present test-browser exercises check-exercises bench train-draft clean-venv
+.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser exercises check-exercises bench train-draft clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,7 +32,11 @@ lab: $(STAMP)
 	# JupyterLab refuses to run as root (containers, CI images) unless told it may
 	$(BIN)/jupyter lab --notebook-dir=notebooks $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
-test: unit nbval
+test: lint unit nbval
+
+# ruff (configured in pyproject.toml) over the package, tests and benchmarks: fails the test run
+lint: $(STAMP)
+	$(BIN)/ruff check minillm tests benchmarks
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest tests

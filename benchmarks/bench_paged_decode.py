@@ -184,7 +184,6 @@ def copy_bandwidth_gbps(device, nbytes=1 << 30) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), device)
-    del src, dst
     return 2 * nbytes / ms / 1e6
 
 

@@ -133,7 +133,7 @@ def engine_sweep(model, tok, args) -> list:
     sp = SamplingParams(temperature=0.0, max_tokens=args.sweep_max_tokens)
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         res = {}
-        for rep in range(2):                                  # interleaved: A B A B
+        for _rep in range(2):                                 # interleaved: A B A B
             for name, cfg in (("none", None), ("ngram", ngram_config(args))):
                 llm = minillm.LLM((model, tok), num_kv_blocks=64 * bs, max_num_seqs=bs,
                                   speculative_config=cfg)

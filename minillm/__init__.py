@@ -7,6 +7,6 @@ from .model import Transformer
 from .sampling import SamplingParams
 from .engine import LLM
 
-__all__ = ["configs", "kvmath", "ModelConfig", "Transformer", "SamplingParams", "load_model",
+__all__ = ["configs", "kernels", "kvmath", "roofline", "ModelConfig", "Transformer", "SamplingParams", "load_model",
            "generate", "generate_stream", "generate_no_cache", "LLM"]
 __version__ = "0.1.0"

@@ -9,7 +9,7 @@ e.g. 8.03B for Llama-3-8B, so `minillm.kvmath.param_count` can be checked agains
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 

@@ -5,7 +5,6 @@ import os
 import pty
 import select
 import sqlite3
-import subprocess
 import sys
 import time
 import zipfile

@@ -240,7 +240,7 @@ def test_formula_inputs_are_checked():
     with pytest.raises(ValueError, match="num_gpus"):
         capacity.cost_per_million_tokens(2.0, 1000, num_gpus=0)
     with pytest.raises(ValueError, match="unknown numeric generator"):
-        generators.generate("nope", 0, {})
+        generators.make_numeric("nope", 0, {})
 
 
 def test_prefix_savings_match_minillm_prefix_cache():

@@ -66,7 +66,7 @@ def test_continuous_chunked_32_prompts_match_sequential(bundled, workload):
     steps = llm.engine.step_stats
     assert any(s.num_prefill_tokens and s.num_decode_tokens for s in steps), \
         "prefill chunks and decodes should share steps"
-    for o, p in zip(outs, prompts):
+    for o in outs:
         m = o.metrics
         assert o.finish_reason in ("length", "stop")
         assert m.ttft > 0 and m.e2e_latency >= m.ttft

@@ -3,6 +3,8 @@
 The contiguous cache and the no-cache forward use `causal_attention`, plain PyTorch nobody here
 changed for paging; the paged cache goes through block tables and minillm.kernels.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -144,7 +146,7 @@ def test_step_metadata_is_built_once_by_one_pure_function():
     assert meta.slot_mapping.tolist() == (bm.slot_mapping("a", 7, 8) + bm.slot_mapping("b", 0, 5))
     assert meta.block_tables.tolist() == [tables[0], tables[1]] and not meta.is_decode_only
     assert tables == [bm.block_table("a"), bm.block_table("b")]           # nothing mutated
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         meta.positions = None                                               # frozen
     with pytest.raises(ValueError, match="allocate its blocks first"):
         build_step_metadata([(8, 1)], [tables[0]], 4)

@@ -3,7 +3,6 @@ re-importing an updated export updates the existing cards instead of duplicating
 from __future__ import annotations
 
 import html
-import zlib
 
 import genanki
 

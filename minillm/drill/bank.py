@@ -101,7 +101,6 @@ class Instance:
 
     # --- lettered options ----------------------------------------------------------------
     def _grade_letter(self, response) -> Grade:
-        q = self.question
         letters = "ABCDEFGH"[:len(self.options)]
         text = str(response or "").strip()
         m = re.match(r"^\(?([A-Ha-h])\)?(?:[.):\s]|$)", text)
@@ -155,7 +154,7 @@ class Question:
 
     def instance(self, seed=0) -> Instance:
         if self.kind == "numeric":
-            n = generators.generate(self.generator, f"{self.id}:{seed}", dict(self.params))
+            n = generators.make_numeric(self.generator, f"{self.id}:{seed}", dict(self.params))
             answer = fmt_value(n.value, n.dimension)
             return Instance(self, seed, n.prompt, answer, value=n.value, dimension=n.dimension,
                             params=n.params, _numeric=n)

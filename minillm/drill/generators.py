@@ -635,7 +635,7 @@ def recompute_ratio(rng, **o) -> Numeric:
         f"(N + 1) / 2 = {v:g}", dict(n=n), rel_tol=0.01)
 
 
-def generate(name: str, seed, options: dict) -> Numeric:
+def make_numeric(name: str, seed, options: dict) -> Numeric:
     if name not in GENERATORS:
         raise ValueError(f"unknown numeric generator {name!r}; known: {', '.join(GENERATORS)}")
     rng = random.Random(f"{name}:{seed}")

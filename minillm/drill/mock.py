@@ -138,7 +138,7 @@ def run_mock(seed=0, input_fn: Callable = input, output_fn: Callable = print,
             output_fn(f"(over time by {pr.over_s / 60:.1f} min)")
     _score(result, data)
     result.report_path = write_report(result, report_dir)
-    output_fn(f"\nRubric: " + ", ".join(f"{k} {v[0]}/5" for k, v in result.rubric.items()))
+    output_fn("\nRubric: " + ", ".join(f"{k} {v[0]}/5" for k, v in result.rubric.items()))
     output_fn(f"Report written to {result.report_path}")
     return result
 
@@ -246,7 +246,7 @@ def write_report(result: MockResult, report_dir=None) -> Path:
             lines += ["Not mentioned: " + "; ".join(ph.missed) + ".", ""]
     if result.followups:
         lines += ["## Follow-up questions", ""]
-        for qid, q, resp, score, fb in result.followups:
+        for _qid, q, resp, score, fb in result.followups:
             lines += [f"**{q}**", "", f"Your answer: {resp or '_(none)_'}", "",
                       f"Score {score:.2f}.", "", "```", fb, "```", ""]
     path.write_text("\n".join(lines), encoding="utf-8")

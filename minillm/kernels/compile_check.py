@@ -127,7 +127,7 @@ def check(arch: int = 90, dtype: torch.dtype = torch.bfloat16,
             "store_kv": lambda: store_kv_kernel.store_kv_triton(kv, kv, k_cache, v_cache, slots),
         }
         for variant, call in calls.items():
-            for kernel, grid, args, kwargs in capture_launches(call):
+            for kernel, _grid, args, kwargs in capture_launches(call):
                 compiled = compile_launch(kernel, args, kwargs, arch)
                 rows.append(dict(variant=variant, kernel=kernel.__name__,
                                  geometry=(num_heads, num_kv_heads, head_dim),

@@ -5,7 +5,6 @@ kernel copies token t's K and V (all KV heads at once) to that slot. One program
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
