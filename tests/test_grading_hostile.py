@@ -22,6 +22,7 @@ import pytest
 
 from minillm.grading import Check, Exercise, ch01, ch03, grade, transcript
 from minillm.grading.policy import reference_use
+from minillm.grading.regrade import replay_transcript
 from minillm.grading.testing import function_from_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -303,12 +304,12 @@ def test_replay_agrees_with_the_kernel_and_a_changed_grader_fails(tmp_path):
     path = tmp_path / "r.jsonl"
     local = _record(ch01.KV_BYTES, solution, path)
     run = transcript.read_records(path)[ch01.KV_BYTES.id]
-    assert transcript.grade_recorded(ch01.KV_BYTES, run).score == local.score == local.max
+    assert replay_transcript(ch01.KV_BYTES, run).score == local.score == local.max
     # a grader that asks other questions than the recorded ones (patched in the kernel)
     asks_other = Exercise(ch01.KV_BYTES.id, "kv_bytes_per_token",
                           tuple(Check(c.name, lambda fn: (fn(ch01._MQA, "fp8") > 0, ""))
                                 for c in ch01.KV_BYTES.checks))
-    replayed = transcript.grade_recorded(asks_other, run)
+    replayed = replay_transcript(asks_other, run)
     assert replayed.score == 0
     assert all("differ from those your notebook answered" in m for m in replayed.messages)
 
@@ -327,7 +328,7 @@ def test_forged_and_broken_records_fail_without_crashing(tmp_path):
     bad += ["not json", "[1, 2]", '{"run": 5}', "{" * 50000 + "}" * 50000]
     path.write_text("\n".join(bad) + "\n")
     run = transcript.read_records(path)[ch01.KV_BYTES.id]
-    result = transcript.grade_recorded(ch01.KV_BYTES, run)
+    result = replay_transcript(ch01.KV_BYTES, run)
     assert result.score == 0, str(result)
     assert all("not valid" in m for m in result.messages), result.messages
     big = tmp_path / "big.jsonl"
@@ -357,10 +358,10 @@ def test_a_check_that_never_answered_fails_with_the_recorded_reason(tmp_path):
     finally:
         del os.environ[transcript.RECORD_ENV]
     run = transcript.read_records(path)[ch01.KV_BYTES.id]
-    result = transcript.grade_recorded(ch01.KV_BYTES, run)
+    result = replay_transcript(ch01.KV_BYTES, run)
     assert result.score == 0
     assert "time limit" in result.messages[0] and "not run" in result.messages[1]
-    none = transcript.grade_recorded(ch01.KV_BYTES, None)
+    none = replay_transcript(ch01.KV_BYTES, None)
     assert none.score == 0 and "no check of this exercise ran" in none.messages[0]
 
 
@@ -428,5 +429,5 @@ def test_measure_runs_beside_the_learner_and_is_replayed_as_a_number(tmp_path):
     assert local.full_marks and calls == [1000]          # ran once, on the real function
     lines = path.read_text().splitlines()
     assert sum('"t":"io"' in line for line in lines) == 1   # one answer, not 1000 calls
-    replayed = transcript.grade_recorded(exercise, transcript.read_records(path)["test.measure"])
+    replayed = replay_transcript(exercise, transcript.read_records(path)["test.measure"])
     assert replayed.full_marks and calls == [1000]       # the replay did not run the helper

@@ -1,9 +1,9 @@
 """The batch grader computes every grade from a transcript of the learner's answers (see
-minillm/grading/transcript.py). This proves, for every exercise of every chapter, that the grade
-replayed from the transcript is the grade the checks give the function itself, message for
-message: the solution, the unfilled stub, and each planted bug of the chapter's grader tests.
-A new exercise is covered as soon as its chapter's test module (found by name) lists it in
-GRADED and BUGS.
+minillm/grading/transcript.py and regrade.py). This proves, for every exercise of every chapter,
+that the grade replayed from the transcript is the grade the checks give the function itself,
+message for message: the solution, the unfilled stub, and each planted bug of the chapter's
+grader tests. A new exercise is covered as soon as its chapter's test module (found by name)
+lists it in GRADED and BUGS.
 """
 import importlib
 from pathlib import Path
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from minillm.grading import Exercise, grade, transcript
+from minillm.grading.regrade import replay_transcript
 from minillm.grading.testing import function_from_notebook
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +75,7 @@ def test_replayed_grade_equals_the_direct_grade(module_name, exercise, kind, nam
     recorded = grade(exercise, learner, time_limit=60, isolation="none")
     monkeypatch.delenv(transcript.RECORD_ENV)
     run = transcript.read_records(path)[exercise.id]
-    replayed = transcript.grade_recorded(exercise, run)
+    replayed = replay_transcript(exercise, run)
     # what the batch computes is exactly what the kernel saw
     assert [(o.name, o.ok, o.message) for o in replayed.outcomes] == \
         [(o.name, o.ok, o.message) for o in recorded.outcomes]

@@ -7,7 +7,7 @@ A submission belongs to the problem set whose name its file name contains
 kernel under a per-submission supervisor (supervisor.py: own session, every cell under a time
 limit, every process killed at the end). Its check cells record what the learner's code answered
 as plain data (transcript.py); this process then re-runs every check of the problem set itself
-against those answers. Printed grade lines, stale outputs and a patched grader in the notebook
+against those answers (regrade.py). Printed grade lines, stale outputs and a patched grader in the notebook
 count for nothing; a check that never answered fails. Each CSV row is written as soon as its
 submission is graded. A broken or hostile submission gets a row with a status, never a crash.
 """
@@ -34,8 +34,8 @@ from . import supervisor
 from .core import Exercise, GradeResult
 from .policy import reference_use
 from .timelimit import default_time_limit
-from .transcript import (MAX_RECORD_BYTES, RECORD_ENV, BadRecord, grade_recorded,
-                         read_records, read_regular_file)
+from .regrade import replay_transcript
+from .transcript import MAX_RECORD_BYTES, RECORD_ENV, BadRecord, read_records, read_regular_file
 
 _CHAPTER = re.compile(r"^(\d{2})_")
 
@@ -203,7 +203,7 @@ def grade_submission(path: Path, sets: list[ProblemSet], timeout: float = 300,
             runs = {}
             row.status += f"; its recorded answers were ignored: {exc}"
         for exercise in ps.exercises:             # only this problem set's ids; none printed
-            result = grade_recorded(exercise, runs.get(exercise.id))
+            result = replay_transcript(exercise, runs.get(exercise.id))
             row.results[exercise.id] = result
             row.scores[exercise.id] = max(0, min(result.score, exercise.max))
         flags = [reference_use(nb, e, runs.get(e.id)) for e in ps.exercises]

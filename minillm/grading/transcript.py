@@ -11,9 +11,9 @@ verdict. In the submission's kernel, each check talks to the learner's function 
                          instance, a bound method: later uses are recorded the same way),
                          plus the new contents of every argument the call changed in place
 
-The trusted process then runs the same check code with a replaying channel: every request must
-equal the recorded one (compared by a digest of its arguments) and gets the recorded answer.
-Checks are deterministic, so given the same answers they make the same requests; a request the
+The trusted process then runs the same check code with a replaying channel (regrade.py): every
+request must equal the recorded one (compared by a digest of its arguments) and gets the
+recorded answer. Checks are deterministic, so given the same answers they make the same requests; a request the
 transcript does not hold means the learner's call never returned (time limit, crash) or the
 notebook tampered with the grader, and the check fails. Nothing from the submission is
 unpickled, imported or executed: a forged transcript can only claim answers, which is no more
@@ -21,6 +21,9 @@ than a learner function could return anyway.
 
 Both sides hand the check identical values (the recording side decodes what it encodes), so the
 verdict computed in the kernel and the one computed from the transcript agree.
+
+This module is the record's format and its two channels; it imports nothing of minillm.grading
+but timelimit.describe_exception (a leaf), so core can use it and regrade can use both.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ import stat
 import sys
 import uuid
 from typing import Any, Callable, Optional
+
+from .timelimit import describe_exception
 
 RECORD_ENV = "MINILLM_GRADE_RECORD"      # path of the JSON-lines file a kernel records into
 MAX_RECORD_BYTES = 64 << 20              # the trusted side reads at most this much per submission
@@ -266,7 +271,6 @@ def _builtin_base(cls) -> str:
 
 
 def encode_exception(exc: BaseException, depth: int = 0) -> dict:
-    from .timelimit import describe_exception
     try:
         name, detail, where = describe_exception(exc)
     except Exception:
@@ -640,52 +644,3 @@ def read_records(path, limit: int = MAX_RECORD_BYTES) -> dict:
         elif kind == "done":
             check["done"] = True
     return {ex: runs[run] for ex, run in last_run_of.items()}
-
-
-def replay_outcome(check, record: Optional[dict]):
-    """(ok, message) of one check, computed here from the recorded answers."""
-    from .core import _run_check
-    if record is None:
-        return False, "not run: the notebook stopped before this check answered"
-    io_records = record["io"]
-    if [r.get("seq") for r in io_records] != list(range(len(io_records))):
-        return False, "the recorded answers are out of order (was the grader changed?)"
-    channel = ReplayChannel(io_records)
-    stand_in = channel.proxy(0, "function")
-    try:
-        ok, message = _run_check(check, stand_in)
-    except ReplayEnd as end:
-        if end.reason == "invalid":
-            return False, f"the recorded answers are not valid ({end})"
-        if end.reason == "mismatch" or record.get("done"):   # it finished without asking
-            return False, ("the grader's questions differ from those your notebook answered "
-                           "(was the grader changed in the notebook?)")
-        why = record.get("stopped")
-        if why == "timeout":
-            return False, ("did not finish within the time limit (an infinite loop, or far "
-                           "too slow?)")
-        return False, ("crashed: " + why) if why else (
-            "did not finish: the process running it stopped before your code answered")
-    except BaseException as exc:              # a replayed KeyboardInterrupt and the like
-        if isinstance(exc, KeyboardInterrupt) and not hasattr(exc, "_minillm_where"):
-            raise
-        return False, f"your code raised {type(exc).__name__}: {exc}"
-    if channel.seq != len(io_records):
-        return False, ("the grader's questions differ from those your notebook answered "
-                       "(was the grader changed in the notebook?)")
-    return ok, message
-
-
-def grade_recorded(exercise, run: Optional[dict]):
-    """The GradeResult of `exercise` computed from a recorded run (None: nothing recorded)."""
-    from .core import CheckOutcome, GradeResult
-    outcomes = []
-    for index, check in enumerate(exercise.checks):
-        if run is None:
-            ok, message = False, ("not graded: no check of this exercise ran in the notebook "
-                                  "(its check cell did not run or failed, or the kernel died "
-                                  "first)")
-        else:
-            ok, message = replay_outcome(check, run["checks"].get(index))
-        outcomes.append(CheckOutcome(check.name, bool(ok), str(message or "")))
-    return GradeResult(exercise.id, exercise.title, outcomes)
