@@ -4,7 +4,8 @@ Sends requests with ShareGPT- or Alpaca-like lengths (minillm.lab.workloads) as 
 with gamma/Poisson arrivals at each request rate of a sweep (or a fixed max concurrency), and
 reports per rate: TTFT, TPOT, ITL, E2E latency (mean, p50, p90, p99), request and token
 throughput, goodput under the SLOs given, and the mean concurrency (Little's law: rate x E2E).
-Metric definitions: minillm/serve/loadgen.py (vLLM's, so numbers compare).
+Metric definitions: minillm/serve/loadgen.py (vLLM's, so numbers compare); the summary is
+minillm.metrics.summarize, the one the engine's own metrics go through.
 
     python -m minillm serve --model smollm2-135m --port 8000 &          # or vLLM, SGLang, ...
     python benchmarks/bench_serve.py --base-url http://127.0.0.1:8000 \\
@@ -32,7 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minillm.lab.workloads import workload_requests  # noqa: E402
-from minillm.serve.loadgen import run_load, summarize_results  # noqa: E402
+from minillm.metrics import summarize  # noqa: E402
+from minillm.serve.loadgen import run_load  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,11 +66,11 @@ def parse_args(argv=None):
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     slos = {}
-    for item in args.goodput:
+    for item in args.goodput:        # vLLM's flag names (e2el) -> minillm.metrics' (e2e_latency)
         name, _, ms = item.partition(":")
         if name not in ("ttft", "tpot", "e2el") or not ms:
             p.error(f"--goodput takes ttft:MS, tpot:MS or e2el:MS, got {item!r}")
-        slos[name] = float(ms) / 1000.0
+        slos["e2e_latency" if name == "e2el" else name] = float(ms) / 1000.0
     args.slos = slos
     args.pcts = [float(x) for x in args.percentiles.split(",")]
     return args
@@ -113,7 +115,8 @@ def main(argv=None) -> dict:
             args.base_url, requests, rate=rate, burstiness=args.burstiness,
             max_concurrency=args.max_concurrency, model=args.model, endpoint=args.endpoint,
             ignore_eos=not args.no_ignore_eos, seed=args.seed))
-        row = summarize_results(results, duration, args.slos, args.pcts)
+        row = summarize(results, duration, ps=args.pcts,
+                        **{f"{name}_slo": bound for name, bound in args.slos.items()})
         row["request_rate"] = "inf" if math.isinf(rate) else rate
         row["load_average_after"] = os.getloadavg()
         row["errors"] = sorted({r.error for r in results if r.error})[:5]
@@ -140,7 +143,7 @@ def table_row(r: dict) -> str:
     return (f"{r['request_rate']} | {r['completed']}/{r['num_requests']} | "
             f"{r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
             f"{ms(r['ttft_p50'])}/{ms(r['ttft_p99'])} | {ms(r['tpot_p50'])}/{ms(r['tpot_p99'])} | "
-            f"{ms(r['itl_p99'])} | {r['e2el_p50']:.2f}/{r['e2el_p99']:.2f} | "
+            f"{ms(r['itl_p99'])} | {r['e2e_latency_p50']:.2f}/{r['e2e_latency_p99']:.2f} | "
             f"{r['mean_concurrency']:.1f} | {good}")
 
 
@@ -154,7 +157,7 @@ def plot(record, path):
     x = [r["request_rate"] for r in runs]
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
     for key, label in (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"),
-                       ("e2el_p50", "E2E p50"), ("tpot_p50", "TPOT p50")):
+                       ("e2e_latency_p50", "E2E p50"), ("tpot_p50", "TPOT p50")):
         a.plot(x, [r[key] for r in runs], "o-", label=label)
     a.set(xlabel="offered load (requests/s)", ylabel="seconds", yscale="log",
           title="latency vs load")

@@ -1,4 +1,4 @@
-"""Latency and throughput metrics of a serving run (chapters 00 and 04).
+"""Latency and throughput metrics of a serving run (chapters 00, 04 and 08).
 
 Per request (all times in seconds, from one monotonic clock):
 
@@ -8,15 +8,23 @@ Per request (all times in seconds, from one monotonic clock):
 
 - TTFT (time to first token): arrival -> first output token. Includes queueing and the prefill.
 - ITL (inter-token latencies): the gaps between consecutive output tokens.
-- TPOT (time per output token): the mean ITL, (last - first) / (n_out - 1); None with one token.
+- TPOT (time per output token): the mean ITL, (last - first) / (n_out - 1). A request with ONE
+  output token has no inter-token gap, so its TPOT is None (`time_per_output_token`): it is left
+  out of the TPOT statistics, and it meets any TPOT objective. vLLM's serving benchmark does the
+  same (its TPOT list skips such requests; its goodput counts their TPOT as 0, which passes
+  every bound). A 0.0 instead would pull the mean TPOT down by requests that never decoded.
 - queueing time: arrival -> first time the scheduler gave the request any tokens to compute.
 - end-to-end latency: arrival -> finished.
 
-Aggregates over a run (`summarize`): input and output tokens/s over the run's wall time, request
-throughput, p50/p95/p99 of each latency, and goodput: the requests per second that met a
-service-level objective (SLO), e.g. TTFT <= 0.5 s and TPOT <= 0.05 s. Throughput counts every
-token; goodput counts only requests a user would have been happy with, which is what a scheduler
-trades when it favours one over the other.
+Aggregates over a run (`summarize`), one set of names for both sides of a run: the engine's
+`RequestMetrics` (timestamps taken inside the server) and the load generator's
+`serve.loadgen.RequestResult` (taken by the client, `vllm bench serve`'s definitions). Keys follow
+vLLM's benchmark: completed, total_input_tokens, total_output_tokens, request_throughput,
+output_throughput, total_token_throughput, request_goodput, and {ttft, tpot, itl, e2e_latency,
+queueing_time} x {mean, p50, p90, p95, p99}. Goodput is the completed requests per second that
+met EVERY given service-level objective (SLO), e.g. TTFT <= 0.5 s and TPOT <= 0.05 s.
+Throughput counts every token; goodput counts only requests a user would have been happy with,
+which is what a scheduler trades when it favours one over the other.
 
 The clock is `time.perf_counter` (monotonic, high resolution); the engine takes a `clock`
 argument so tests can inject a fake one.
@@ -31,6 +39,19 @@ import numpy as np
 
 Clock = Callable[[], float]
 default_clock: Clock = time.perf_counter
+
+PERCENTILES = (50, 90, 95, 99)
+SLO_NAMES = ("ttft", "tpot", "e2e_latency")
+
+
+def time_per_output_token(first_to_last: Optional[float], num_output_tokens: int
+                          ) -> Optional[float]:
+    """TPOT: the time from the first to the last output token over the gaps between them,
+    first_to_last / (num_output_tokens - 1). None with fewer than two tokens: there is no gap
+    to average (see the module docstring for why None and not 0.0)."""
+    if first_to_last is None or num_output_tokens < 2:
+        return None
+    return first_to_last / (num_output_tokens - 1)
 
 
 @dataclass
@@ -54,6 +75,10 @@ class RequestMetrics:
         self.token_times.append(now)
 
     @property
+    def finished(self) -> bool:
+        return self.finished_time is not None
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.token_times)
 
@@ -74,7 +99,7 @@ class RequestMetrics:
     @property
     def tpot(self) -> Optional[float]:
         t = self.token_times
-        return None if len(t) < 2 else (t[-1] - t[0]) / (len(t) - 1)
+        return time_per_output_token(t[-1] - t[0] if t else None, len(t))
 
     @property
     def queueing_time(self) -> Optional[float]:
@@ -86,16 +111,6 @@ class RequestMetrics:
         f = self.finished_time
         return None if f is None else f - self.arrival_time
 
-    def meets(self, ttft_slo: Optional[float] = None, tpot_slo: Optional[float] = None) -> bool:
-        """True when the request finished and met the SLO (a missing TPOT, one token, passes)."""
-        if self.finished_time is None or self.ttft is None:
-            return False
-        if ttft_slo is not None and self.ttft > ttft_slo:
-            return False
-        if tpot_slo is not None and self.tpot is not None and self.tpot > tpot_slo:
-            return False
-        return True
-
     def as_dict(self) -> dict:
         return {"ttft": self.ttft, "tpot": self.tpot, "e2e_latency": self.e2e_latency,
                 "queueing_time": self.queueing_time, "num_prompt_tokens": self.num_prompt_tokens,
@@ -103,48 +118,83 @@ class RequestMetrics:
                 "num_preemptions": self.num_preemptions}
 
 
+def meets_slos(request, slos: dict) -> bool:
+    """True when `request` completed and meets EVERY objective in `slos` ({"ttft": s, "tpot": s,
+    "e2e_latency": s}, any subset), value <= bound. A one-token request (TPOT None) meets any
+    TPOT bound: it had no gap between tokens to be slow in."""
+    if not request.finished or request.ttft is None:
+        return False
+    for name, bound in slos.items():
+        value = getattr(request, name)
+        if value is not None and value > bound:
+            return False
+    return True
+
+
 def percentiles(values: Iterable[float], ps=(50, 95, 99)) -> dict:
     """{"p50": ..., "p95": ..., "p99": ...} (linear interpolation); None values are dropped."""
     vals = [v for v in values if v is not None]
     if not vals:
-        return {f"p{p}": None for p in ps}
+        return {f"p{p:g}": None for p in ps}
     arr = np.percentile(np.asarray(vals, dtype=np.float64), list(ps))
-    return {f"p{p}": float(x) for p, x in zip(ps, arr)}
+    return {f"p{p:g}": float(x) for p, x in zip(ps, arr)}
 
 
-def summarize(metrics: Iterable[RequestMetrics], duration: Optional[float] = None,
-              ttft_slo: Optional[float] = None, tpot_slo: Optional[float] = None) -> dict:
-    """Aggregate a run. duration: wall seconds of the run (default: first arrival -> last finish).
+def _run_duration(requests: list) -> float:
+    """First arrival -> last finish, from the engine's timestamps."""
+    ends = [r.finished_time for r in requests if getattr(r, "finished_time", None) is not None]
+    if not ends:
+        raise ValueError("summarize cannot tell how long the run took (no request has a "
+                         "finished_time); pass duration= in seconds (run_load returns it)")
+    return max(ends) - min(r.arrival_time for r in requests)
 
-    Returns a flat dict: num_requests, input/output tokens, *_tokens_per_s, requests_per_s,
-    goodput (requests per second meeting the SLO) and slo_attainment (their fraction), and
-    {ttft, tpot, itl, e2e_latency, queueing_time} x {mean, p50, p95, p99}.
+
+def summarize(requests: Iterable, duration: Optional[float] = None, *,
+              ttft_slo: Optional[float] = None, tpot_slo: Optional[float] = None,
+              e2e_latency_slo: Optional[float] = None, ps=PERCENTILES) -> dict:
+    """Aggregate a run: the one summary of request metrics, engine side and client side.
+
+    requests: `RequestMetrics` (the engine's) or `serve.loadgen.RequestResult` (the client's);
+    summarize reads finished, ttft, tpot, itl, e2e_latency, queueing_time, num_prompt_tokens,
+    num_output_tokens and sample_index (input tokens count once per request, for sample 0).
+    duration: wall seconds of the run (default: first arrival -> last finish, engine side).
+    *_slo: bounds in seconds; a request is good when it completed and meets every one given.
+    ps: the percentiles reported (default 50, 90, 95, 99).
+
+    Returns a flat dict (seconds, vLLM's benchmark names): num_requests, completed, failed
+    (did not finish: an error, or still running), duration_s, total_input_tokens,
+    total_output_tokens (of completed requests), request_throughput, output_throughput,
+    total_token_throughput (per second), mean_concurrency (sum of E2E latencies / duration:
+    Little's law), slos, request_goodput and slo_attainment (good / all; both None without an
+    SLO), and {ttft, tpot, itl, e2e_latency, queueing_time}_{mean, p50, ...} (None where no
+    request has the value: the client cannot see queueing, a one-token request has no TPOT).
     """
-    ms = list(metrics)
-    if not ms:
-        raise ValueError("summarize needs at least one RequestMetrics")
-    if duration is None:
-        ends = [m.finished_time for m in ms if m.finished_time is not None]
-        if not ends:
-            raise ValueError("no request has finished; pass duration= explicitly")
-        duration = max(ends) - min(m.arrival_time for m in ms)
+    rs = list(requests)
+    if not rs:
+        raise ValueError("summarize needs at least one request's metrics")
+    duration = _run_duration(rs) if duration is None else duration
     if duration <= 0:
         raise ValueError(f"duration must be positive, got {duration}")
-    n_in = sum(m.num_prompt_tokens for m in ms if m.sample_index == 0)
-    n_out = sum(m.num_output_tokens for m in ms)
-    good = sum(m.meets(ttft_slo, tpot_slo) for m in ms)
-    out = {"num_requests": len(ms), "duration_s": duration,
-           "input_tokens": n_in, "output_tokens": n_out,
-           "input_tokens_per_s": n_in / duration, "output_tokens_per_s": n_out / duration,
-           "requests_per_s": sum(m.finished_time is not None for m in ms) / duration,
-           "ttft_slo": ttft_slo, "tpot_slo": tpot_slo,
-           "goodput": good / duration, "slo_attainment": good / len(ms)}
-    series = {"ttft": [m.ttft for m in ms], "tpot": [m.tpot for m in ms],
-              "itl": [x for m in ms for x in m.itl], "e2e_latency": [m.e2e_latency for m in ms],
-              "queueing_time": [m.queueing_time for m in ms]}
+    slos = {name: bound for name, bound in zip(SLO_NAMES, (ttft_slo, tpot_slo, e2e_latency_slo))
+            if bound is not None}
+    done = [r for r in rs if r.finished]
+    n_in = sum(r.num_prompt_tokens for r in done if r.sample_index == 0)
+    n_out = sum(r.num_output_tokens for r in done)
+    good = sum(meets_slos(r, slos) for r in done)
+    out = {"num_requests": len(rs), "completed": len(done), "failed": len(rs) - len(done),
+           "duration_s": duration, "total_input_tokens": n_in, "total_output_tokens": n_out,
+           "request_throughput": len(done) / duration, "output_throughput": n_out / duration,
+           "total_token_throughput": (n_in + n_out) / duration,
+           # Little's law: mean requests in the system = arrival rate x mean time in it
+           "mean_concurrency": sum(r.e2e_latency for r in done) / duration,
+           "slos": slos, "request_goodput": good / duration if slos else None,
+           "slo_attainment": good / len(rs) if slos else None}
+    series = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done],
+              "itl": [x for r in done for x in r.itl], "e2e_latency": [r.e2e_latency for r in done],
+              "queueing_time": [r.queueing_time for r in done]}
     for name, vals in series.items():
         vals = [v for v in vals if v is not None]
         out[f"{name}_mean"] = float(np.mean(vals)) if vals else None
-        for k, v in percentiles(vals).items():
+        for k, v in percentiles(vals, ps).items():
             out[f"{name}_{k}"] = v
     return out

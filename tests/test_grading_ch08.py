@@ -2,11 +2,12 @@
 planted bugs (goodput counting failed requests, "any" instead of "all", TPOT including the first
 token, a strict bound; Little's law inverted or without the prefill; an admission bound off by
 one or without the prefill) are caught with a message that names the mistake. The goodput
-reference is checked against minillm.serve.loadgen, the one bench_serve.py reports."""
+reference is checked against minillm.metrics.summarize, the one bench_serve.py reports."""
 import math
 
 from minillm.grading import ch08, grade
-from minillm.serve.loadgen import RequestResult, summarize_results
+from minillm.metrics import summarize
+from minillm.serve.loadgen import RequestResult
 
 from grader_contract import contract_tests, planted_bug_tests
 
@@ -32,8 +33,9 @@ def test_reference_goodput_is_the_benchmarks_definition():
             {"ttft": 0.9, "e2e": 0.9, "output_tokens": 1},      # ttft bad
             {"ttft": None, "e2e": None, "output_tokens": 0}]    # failed
     assert ch08.reference_goodput(reqs, {"ttft": 0.5, "tpot": 0.25}, 4.0) == 2 / 4.0
-    results = [RequestResult(0, ttft=0.4, e2e=1.4, output_tokens=11, success=True)]
-    assert summarize_results(results, 2.0, {"tpot": 0.1})["request_goodput"] == 0.5
+    results = [RequestResult(0, ttft=0.4, e2e_latency=1.4, num_output_tokens=11, finished=True)]
+    assert summarize(results, 2.0, tpot_slo=0.1)["request_goodput"] == 0.5
+    assert summarize(results, 2.0, tpot_slo=0.09)["request_goodput"] == 0.0
 
 
 def test_reference_max_waiting_meets_its_own_inequality():

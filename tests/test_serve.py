@@ -628,7 +628,7 @@ def test_replay_advances_its_virtual_clock_by_the_step_cost():
     run = replay_serving(tiny, poisson_trace([[1] * 16] * 40, [5] * 40, 10.0, seed=1), cost,
                          max_num_seqs=4, num_kv_blocks=32, block_size=16, max_num_batched_tokens=64)
     s = summarize(run.metrics)
-    little = s["requests_per_s"] * s["e2e_latency_mean"]
+    little = s["request_throughput"] * s["e2e_latency_mean"]
     assert run.time_average_in_system() == pytest.approx(little, rel=0.1)
 
 
@@ -636,38 +636,41 @@ def test_load_generator_against_the_server(server, tok):
     """bench_serve.py's client: every request completes with its workload output length (EOS
     ignored), the client-side timings are consistent, and the summary uses vLLM's definitions."""
     from minillm.lab.workloads import workload_requests
-    from minillm.serve.loadgen import run_load, summarize_results
+    from minillm.metrics import summarize
+    from minillm.serve.loadgen import run_load
     reqs, capped = workload_requests(tok, "alpaca", 6, seed=0, max_input_len=40,
                                      max_output_len=12)
     assert all(len(tok.encode(r.prompt, add_special_tokens=False)) <= r.prompt_len
                for r in reqs)
     results, duration = asyncio.run(run_load(server.base_url, reqs, rate=50.0, seed=0))
-    assert all(r.success for r in results), [r.error for r in results]
-    assert [r.output_tokens for r in results] == [q.max_tokens for q in reqs]
+    assert all(r.finished for r in results), [r.error for r in results]
+    assert [r.num_output_tokens for r in results] == [q.max_tokens for q in reqs]
     for r, q in zip(results, reqs):
-        assert 0 < r.ttft <= r.e2e and len(r.itl) <= r.output_tokens - 1
-        assert r.prompt_tokens == len(tok.encode(q.prompt))
-    s = summarize_results(results, duration, {"ttft": 60.0})
+        assert 0 < r.ttft <= r.e2e_latency and len(r.itl) <= r.num_output_tokens - 1
+        assert r.num_prompt_tokens == len(tok.encode(q.prompt))
+    s = summarize(results, duration, ttft_slo=60.0)
     assert s["completed"] == 6 and s["request_goodput"] == pytest.approx(6 / duration)
     assert s["total_output_tokens"] == sum(q.max_tokens for q in reqs)
 
 
-def test_summarize_results_follows_the_vllm_definitions():
-    from minillm.serve.loadgen import RequestResult, arrival_gaps, summarize_results
-    a = RequestResult(10, ttft=0.5, itl=[0.1, 0.3], e2e=0.9, output_tokens=3, prompt_tokens=10,
-                      success=True)
-    b = RequestResult(20, ttft=2.0, itl=[], e2e=2.0, output_tokens=1, prompt_tokens=20,
-                      success=True)
+def test_client_summary_follows_the_vllm_definitions():
+    from minillm.metrics import summarize
+    from minillm.serve.loadgen import RequestResult, arrival_gaps
+    a = RequestResult(10, ttft=0.5, itl=[0.1, 0.3], e2e_latency=0.9, num_output_tokens=3,
+                      num_prompt_tokens=10, finished=True)
+    b = RequestResult(20, ttft=2.0, itl=[], e2e_latency=2.0, num_output_tokens=1,
+                      num_prompt_tokens=20, finished=True)
     c = RequestResult(5, error="boom")
-    s = summarize_results([a, b, c], 4.0, {"ttft": 1.0, "tpot": 0.25})
+    s = summarize([a, b, c], 4.0, ttft_slo=1.0, tpot_slo=0.25)
     assert (s["completed"], s["failed"]) == (2, 1)
-    assert s["tpot_mean"] == pytest.approx((0.2 + 0.0) / 2)    # (0.9 - 0.5) / 2, one token: 0
+    assert b.tpot is None and s["tpot_mean"] == pytest.approx(0.2)  # (0.9 - 0.5) / 2; b: no gap
     assert s["itl_mean"] == pytest.approx(0.2)                 # pooled gaps
     assert s["request_goodput"] == pytest.approx(1 / 4.0)      # b misses the TTFT SLO
     assert s["output_throughput"] == pytest.approx(4 / 4.0)
     assert s["total_token_throughput"] == pytest.approx(34 / 4.0)
-    with pytest.raises(ValueError, match="unknown SLO"):
-        summarize_results([a], 1.0, {"latency": 1.0})
+    assert RequestResult(7).num_prompt_tokens == 7             # no usage: the workload's count
+    with pytest.raises(ValueError, match="pass duration="):
+        summarize([a])                                         # the client must give its run time
     gaps = arrival_gaps(20000, rate=4.0, burstiness=0.5, seed=0)
     assert gaps.mean() == pytest.approx(0.25, rel=0.05)
     assert gaps.std() > arrival_gaps(20000, rate=4.0, seed=0).std()   # burstier than Poisson

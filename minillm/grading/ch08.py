@@ -8,7 +8,8 @@
                                              #     SLO, checked by replaying an overload
 
 (a) goodput(requests, slos, duration) -> good requests per second. The reference is
-minillm.serve.loadgen.summarize_results (vLLM's benchmark definitions).
+minillm.metrics.summarize on the load generator's RequestResult records (vLLM's benchmark
+definitions; the exercise names the end-to-end SLO "e2el", as `vllm bench serve --goodput` does).
 (b) max_rate(max_num_seqs, prefill_time, step_time, output_len) -> requests/s. The reference
 is Little's law, lambda = L / W with L the slots and W the time a request holds one.
 (c) max_waiting(ttft_slo, max_num_seqs, prefill_time, step_time, output_len) -> int: the
@@ -42,13 +43,13 @@ def _close(a, b, rel=1e-9) -> bool:
 # =========================================================================== (a) goodput
 
 def reference_goodput(requests, slos, duration) -> float:
-    from ..serve.loadgen import RequestResult, summarize_results
-    results = []
-    for r in requests:
-        ok = r.get("ttft") is not None
-        results.append(RequestResult(prompt_len=0, ttft=r.get("ttft"), e2e=r.get("e2e"),
-                                     output_tokens=r.get("output_tokens", 0), success=ok))
-    out = summarize_results(results, duration, slos)
+    from ..metrics import summarize
+    from ..serve.loadgen import RequestResult
+    results = [RequestResult(prompt_len=0, ttft=r.get("ttft"), e2e_latency=r.get("e2e"),
+                             num_output_tokens=r.get("output_tokens", 0),
+                             finished=r.get("ttft") is not None) for r in requests]
+    out = summarize(results, duration, ttft_slo=slos.get("ttft"), tpot_slo=slos.get("tpot"),
+                    e2e_latency_slo=slos.get("e2el"))
     return out["request_goodput"] if slos else out["request_throughput"]
 
 

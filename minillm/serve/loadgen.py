@@ -5,10 +5,14 @@ definitions are those of vLLM's serving benchmark (`vllm bench serve`), so numbe
 
     TTFT   request sent -> first chunk with text
     ITL    gaps between consecutive chunks with text, pooled over all requests
-    TPOT   per request: (E2E - TTFT) / (output tokens - 1); 0 for a one-token output
+    TPOT   per request: (E2E - TTFT) / (output tokens - 1); None for a one-token output (no gap:
+           left out of the TPOT statistics, meets any TPOT SLO; see minillm.metrics)
     E2E    request sent -> last chunk
     request / output / total token throughput: completed requests and tokens / run duration
-    goodput: completed requests per second that meet EVERY given SLO (ttft, tpot, e2el)
+    goodput: completed requests per second that meet EVERY given SLO (ttft, tpot, e2e_latency)
+
+`minillm.metrics.summarize(results, duration, ttft_slo=...)` aggregates a run: the same function,
+with the same key names, that summarizes the engine's own RequestMetrics.
 
 Output tokens are the server's `usage.completion_tokens` (asked for with stream_options), not a
 chunk count: a server may pack several tokens into one chunk.
@@ -28,6 +32,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from ..metrics import time_per_output_token
+
 
 @dataclass
 class LoadRequest:
@@ -38,22 +44,30 @@ class LoadRequest:
 
 @dataclass
 class RequestResult:
-    prompt_len: int
-    send_time: float = 0.0         # seconds since the run started
+    """One request as the client saw it; the names are RequestMetrics' (the engine's view), so
+    minillm.metrics.summarize reads either."""
+    prompt_len: int                           # tokens, as the workload meant it
+    send_time: float = 0.0                    # seconds since the run started
     ttft: Optional[float] = None
     itl: list = field(default_factory=list)
-    e2e: Optional[float] = None
-    output_tokens: int = 0
-    prompt_tokens: Optional[int] = None       # the server's count
-    success: bool = False
+    e2e_latency: Optional[float] = None       # request sent -> last chunk
+    num_output_tokens: int = 0                # the server's usage.completion_tokens
+    num_prompt_tokens: Optional[int] = None   # the server's usage.prompt_tokens (else prompt_len)
+    finished: bool = False                    # completed with text (vLLM's `success`)
     error: Optional[str] = None
     status: Optional[int] = None
+    sample_index = 0                          # the client sends n=1: one sample per request
+    queueing_time = None                      # the server's queue is invisible to the client
+
+    def __post_init__(self):
+        if self.num_prompt_tokens is None:
+            self.num_prompt_tokens = self.prompt_len
 
     @property
-    def tpot(self) -> float:
-        if self.output_tokens > 1 and self.e2e is not None and self.ttft is not None:
-            return (self.e2e - self.ttft) / (self.output_tokens - 1)
-        return 0.0
+    def tpot(self) -> Optional[float]:
+        span = None if self.e2e_latency is None or self.ttft is None else \
+            self.e2e_latency - self.ttft
+        return time_per_output_token(span, self.num_output_tokens)
 
 
 def arrival_gaps(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> np.ndarray:
@@ -86,8 +100,8 @@ async def _one(client, model: str, req: LoadRequest, endpoint: str, extra: dict,
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
-                res.output_tokens = chunk.usage.completion_tokens
-                res.prompt_tokens = chunk.usage.prompt_tokens
+                res.num_output_tokens = chunk.usage.completion_tokens
+                res.num_prompt_tokens = chunk.usage.prompt_tokens
             for c in chunk.choices:
                 text = c.delta.content if endpoint == "chat" else c.text
                 if text:
@@ -96,9 +110,9 @@ async def _one(client, model: str, req: LoadRequest, endpoint: str, extra: dict,
                     else:
                         res.itl.append(now - last)
                     last = now
-        res.e2e = last - start
-        res.success = res.ttft is not None
-        if not res.success:
+        res.e2e_latency = last - start
+        res.finished = res.ttft is not None
+        if not res.finished:
             res.error = "no text came back"
     except Exception as e:                     # a failed request is counted, never fatal
         res.error = f"{type(e).__name__}: {e}"
@@ -144,47 +158,4 @@ async def run_load(base_url: str, requests: Sequence[LoadRequest], rate: float =
     return list(results), duration
 
 
-def _stats(values, percentiles) -> dict:
-    vals = np.asarray([v for v in values if v is not None], dtype=np.float64)
-    if vals.size == 0:
-        out = {"mean": None}
-        out.update({f"p{p:g}": None for p in percentiles})
-        return out
-    out = {"mean": float(vals.mean())}
-    out.update({f"p{p:g}": float(np.percentile(vals, p)) for p in percentiles})
-    return out
-
-
-def summarize_results(results: Sequence[RequestResult], duration: float,
-                      slos: Optional[dict] = None, percentiles=(50, 90, 99)) -> dict:
-    """vLLM's aggregate metrics (seconds). slos: {"ttft": s, "tpot": s, "e2el": s}, any subset;
-    a request is good when it completed and meets every one."""
-    if duration <= 0:
-        raise ValueError(f"duration must be positive, got {duration}")
-    slos = dict(slos or {})
-    unknown = set(slos) - {"ttft", "tpot", "e2el"}
-    if unknown:
-        raise ValueError(f"unknown SLO metric(s) {sorted(unknown)}; use ttft, tpot, e2el")
-    ok = [r for r in results if r.success]
-    n_in = sum(r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in ok)
-    n_out = sum(r.output_tokens for r in ok)
-    good = 0
-    for r in ok:
-        value = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.e2e}
-        good += all(value[k] <= v for k, v in slos.items())
-    out = {"num_requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
-           "duration_s": duration, "total_input_tokens": n_in, "total_output_tokens": n_out,
-           "request_throughput": len(ok) / duration,
-           "output_throughput": n_out / duration,
-           "total_token_throughput": (n_in + n_out) / duration,
-           "slos": slos, "request_goodput": good / duration if slos else None,
-           # Little's law: mean requests in the system = arrival rate x mean time in it
-           "mean_concurrency": sum(r.e2e for r in ok) / duration}
-    for name, vals in (("ttft", [r.ttft for r in ok]), ("tpot", [r.tpot for r in ok]),
-                       ("itl", [x for r in ok for x in r.itl]), ("e2el", [r.e2e for r in ok])):
-        for k, v in _stats(vals, percentiles).items():
-            out[f"{name}_{k}"] = v
-    return out
-
-
-__all__ = ["LoadRequest", "RequestResult", "arrival_gaps", "run_load", "summarize_results"]
+__all__ = ["LoadRequest", "RequestResult", "arrival_gaps", "run_load"]
