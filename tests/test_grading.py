@@ -385,10 +385,10 @@ def test_thread_isolation_returns_values_and_reports_exceptions():
 
 def test_grade_survives_an_infinite_loop_and_keeps_earlier_results():
     def quick(fn):
-        return True, ""
+        pass
 
     exercise = Exercise("test.loop", "f", (Check("first", quick),
-                                           Check("second", lambda fn: (fn(), "")),
+                                           Check("second", lambda fn: fn()),
                                            Check("third", quick)))
     t0 = time.monotonic()
     result = grade(exercise, spin_forever, time_limit=1)
@@ -396,6 +396,27 @@ def test_grade_survives_an_infinite_loop_and_keeps_earlier_results():
     assert [o.ok for o in result.outcomes] == [True, False, False]
     assert "did not finish within the time limit of 1 s" in result.outcomes[1].message
     assert result.outcomes[2].message.startswith("not run")
+
+
+def test_a_check_fails_by_raising_problem_and_passes_by_returning():
+    """The one check dialect: Problem's text is the message; a check that returns a value (an
+    old-style `return ok, message`) is a grader bug and fails loudly instead of passing."""
+    from minillm.grading.core import Problem
+
+    def positive(fn):
+        if fn() <= 0:
+            raise Problem(f"you returned {fn()}; expected a positive number")
+
+    def old_style(fn):
+        return fn() > 0, "expected a positive number"
+
+    exercise = Exercise("test.dialect", "f", (Check("positive", positive),
+                                              Check("old style", old_style)))
+    good = grade(exercise, lambda: 3, isolation="none")
+    assert [o.ok for o in good.outcomes] == [True, False]
+    assert "grader error: the check returned tuple" in good.outcomes[1].message
+    bad = grade(exercise, lambda: -1, isolation="none")
+    assert bad.outcomes[0].message == "you returned -1; expected a positive number"
 
 
 def test_grade_reports_a_raising_learner_and_a_crashing_one():

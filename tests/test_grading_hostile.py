@@ -21,6 +21,7 @@ import nbformat
 import pytest
 
 from minillm.grading import Check, Exercise, ch01, ch03, grade, transcript
+from minillm.grading.core import Problem
 from minillm.grading.policy import reference_use
 from minillm.grading.regrade import replay_transcript
 from minillm.grading.testing import function_from_notebook
@@ -306,9 +307,12 @@ def test_replay_agrees_with_the_kernel_and_a_changed_grader_fails(tmp_path):
     run = transcript.read_records(path)[ch01.KV_BYTES.id]
     assert replay_transcript(ch01.KV_BYTES, run).score == local.score == local.max
     # a grader that asks other questions than the recorded ones (patched in the kernel)
+    def other_question(fn):
+        if fn(ch01._MQA, "fp8") <= 0:
+            raise Problem("not positive")
+
     asks_other = Exercise(ch01.KV_BYTES.id, "kv_bytes_per_token",
-                          tuple(Check(c.name, lambda fn: (fn(ch01._MQA, "fp8") > 0, ""))
-                                for c in ch01.KV_BYTES.checks))
+                          tuple(Check(c.name, other_question) for c in ch01.KV_BYTES.checks))
     replayed = replay_transcript(asks_other, run)
     assert replayed.score == 0
     assert all("differ from those your notebook answered" in m for m in replayed.messages)
@@ -418,8 +422,11 @@ def test_measure_runs_beside_the_learner_and_is_replayed_as_a_number(tmp_path):
         calls.append(n)
         return sum(fn(i) for i in range(n))
 
-    exercise = Exercise("test.measure", "f", (
-        Check("sum", lambda fn: (measure(calls_made, fn, 1000) == 499500, "wrong sum")),))
+    def sums(fn):
+        if measure(calls_made, fn, 1000) != 499500:
+            raise Problem("wrong sum")
+
+    exercise = Exercise("test.measure", "f", (Check("sum", sums),))
     path = tmp_path / "r.jsonl"
     os.environ[transcript.RECORD_ENV] = str(path)
     try:

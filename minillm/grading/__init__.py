@@ -12,11 +12,11 @@ record the learner's answers as plain data (transcript.py), and the grades are c
 that record outside the kernel (batch.py). Conventions for adding a chapter, and what the batch
 grader does and does not defend against: minillm/grading/README.md.
 """
-from .core import (GRADE_LINE_PREFIX, Check, CheckOutcome, Exercise, GradeResult, grade,
-                   parse_grade_lines, report)
+from .core import (GRADE_LINE_PREFIX, Check, CheckOutcome, Exercise, GradeResult, Problem,
+                   grade, parse_grade_lines, report)
 from .timelimit import (DEFAULT_TIME_LIMIT, LearnerError, TimeLimitExceeded,
                         run_with_time_limit)
 
-__all__ = ["Check", "CheckOutcome", "Exercise", "GradeResult", "grade", "report",
+__all__ = ["Check", "CheckOutcome", "Exercise", "GradeResult", "Problem", "grade", "report",
            "parse_grade_lines", "GRADE_LINE_PREFIX", "run_with_time_limit", "TimeLimitExceeded",
            "LearnerError", "DEFAULT_TIME_LIMIT"]

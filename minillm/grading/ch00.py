@@ -21,9 +21,7 @@ from ..configs import get as _get_config
 from ..kvmath import param_count
 from ..model import causal_attention
 from ..sampling import top_k_filter, top_p_filter
-from .core import Check, Exercise, expect_value_error
-from .core import Problem as _Problem
-from .core import checked as _checked
+from .core import Check, Exercise, Problem, expect_value_error
 from .hints import one_fit
 
 
@@ -136,23 +134,23 @@ def _attention_output_check(spec):
         out, _, _ = case.run(fn)
         problem = _tensor_problem(out, case.expected.shape)
         if problem:
-            return False, f"{case.describe()}: {problem}"
+            raise Problem(f"{case.describe()}: {problem}")
         out = out.detach().float()
         if torch.allclose(out, case.expected, atol=1e-4, rtol=1e-4):
-            return True, ""
+            return
         where = f"{case.describe()}: your output differs from causal attention"
         if torch.isnan(out).any():
             b, i, h, _ = torch.nonzero(torch.isnan(out))[0].tolist()
-            return False, (f"{where}: NaN at batch {b}, query {i} (position {case.start + i}), "
-                           f"head {h}; a query whose keys are all masked gives NaN")
+            raise Problem(f"{where}: NaN at batch {b}, query {i} (position {case.start + i}), "
+                          f"head {h}; a query whose keys are all masked gives NaN")
         sentence = one_fit(out, [(_attention_variant(case, **v), s) for v, s in _DIAGNOSES],
                            expected=case.expected, same=_close_tensors)
         if sentence:
-            return False, f"{where}: {sentence}"
+            raise Problem(f"{where}: {sentence}")
         err = (out - case.expected).abs()                               # [B, T, H, D]
         b, i, h, _ = torch.nonzero(err == err.max())[0].tolist()
-        return False, (f"{where}, worst at batch {b}, query {i} (position {case.start + i}), "
-                       f"head {h}: max abs error {err.max().item():.3g}")
+        raise Problem(f"{where}, worst at batch {b}, query {i} (position {case.start + i}), "
+                      f"head {h}: max abs error {err.max().item():.3g}")
     return check
 
 
@@ -168,9 +166,8 @@ def _writes_new_kv(fn):
                      for i in range(case.T)]
             seen = "; ".join(f"token {i} found at {f if f else 'no position'}"
                              for i, f in enumerate(found))
-            return False, (f"{case.describe()}: {name}[:, {s}:{e}] does not hold this step's "
-                           f"values ({seen}); token i of this step belongs at position start + i")
-    return True, ""
+            raise Problem(f"{case.describe()}: {name}[:, {s}:{e}] does not hold this step's "
+                          f"values ({seen}); token i of this step belongs at position start + i")
 
 
 def _leaves_rest(fn):
@@ -182,9 +179,8 @@ def _leaves_rest(fn):
             changed = [p for p in range(cache.shape[1])
                        if not (s <= p < e) and not torch.equal(cache[:, p], before[:, p])]
             if changed:
-                return False, (f"{case.describe()}: positions {changed} of {name} changed; only "
-                               f"positions {s} .. {e - 1} may be written")
-    return True, ""
+                raise Problem(f"{case.describe()}: positions {changed} of {name} changed; only "
+                              f"positions {s} .. {e - 1} may be written")
 
 
 CACHED_ATTENTION = Exercise("ch00.cached_attention", "cached_attention", (
@@ -241,14 +237,15 @@ def _ids(mask_row) -> list[int]:
     return torch.nonzero(mask_row).flatten().tolist()
 
 
-def _compare_sets(fn, reference, logits, arg, what, show="probabilities") -> tuple[bool, str]:
-    """Kept set of fn vs reference on every row; message names row, argument and both sets."""
+def _compare_sets(fn, reference, logits, arg, what, show="probabilities", fix="") -> None:
+    """Kept set of fn vs reference on every row; the Problem names row, argument and both sets
+    (then `fix`, when the case teaches one)."""
     kept, out, problem = _filter_call(fn, logits, arg)
     if problem:
-        return False, f"{what}: {problem}"
+        raise Problem(f"{what}: {problem}{fix}")
     expected = _kept(reference(logits.clone(), arg))
     if torch.equal(kept, expected):
-        return True, ""
+        return
     probs = logits.softmax(-1)
     for b in range(logits.shape[0]):
         if not torch.equal(kept[b], expected[b]):
@@ -266,38 +263,37 @@ def _compare_sets(fn, reference, logits, arg, what, show="probabilities") -> tup
                 if extra:
                     parts.append(f"wrongly kept token ids {extra[:10]}"
                                  f"{' ...' if len(extra) > 10 else ''}")
-                return False, f"{what}{row}: you " + "; ".join(parts) + hint
+                raise Problem(f"{what}{row}: you " + "; ".join(parts) + hint + fix)
             if show == "probabilities":
                 shown = f"probabilities by token id {_fmt(probs[b], 2)}"
                 totals = (f" (total probability {probs[b][kept[b]].sum():.3g})",
                           f" (total {probs[b][expected[b]].sum():.3g})")
             else:
                 shown, totals = f"logits by token id {_fmt(logits[b], 2)}", ("", "")
-            return False, (f"{what}{row}, {shown}: you kept token ids {mine}{totals[0]}, "
-                           f"expected {want}{totals[1]}{hint}")
-    return False, f"{what}: the kept tokens differ from the reference"
+            raise Problem(f"{what}{row}, {shown}: you kept token ids {mine}{totals[0]}, "
+                          f"expected {want}{totals[1]}{hint}{fix}")
+    raise Problem(f"{what}: the kept tokens differ from the reference{fix}")
 
 
-def _keeps_values(fn, logits, arg, reference, what) -> tuple[bool, str]:
+def _keeps_values(fn, logits, arg, reference, what) -> None:
     original = logits.clone()
     out = fn(logits, arg)
     if not torch.equal(logits, original):
-        return False, f"{what}: your function changed its input logits; work on a copy"
+        raise Problem(f"{what}: your function changed its input logits; work on a copy")
     problem = _tensor_problem(out, logits.shape)
     if problem:
-        return False, f"{what}: {problem}"
+        raise Problem(f"{what}: {problem}")
     expected = reference(original.clone(), arg)
     keep = _kept(expected)
     out = out.detach().float()
     if not torch.allclose(out[keep], original[keep], atol=1e-6, rtol=0):
-        return False, (f"{what}: kept logits were changed ({_fmt(out[keep][:4])} ... instead of "
-                       f"{_fmt(original[keep][:4])} ...); return the logits themselves, not "
-                       "probabilities or shifted values")
+        raise Problem(f"{what}: kept logits were changed ({_fmt(out[keep][:4])} ... instead of "
+                      f"{_fmt(original[keep][:4])} ...); return the logits themselves, not "
+                      "probabilities or shifted values")
     dropped = out[~keep]
     if not (dropped == float("-inf")).all():
-        return False, (f"{what}: dropped tokens hold {_fmt(dropped[:4])} ...; they must be -inf "
-                       "so softmax gives them probability 0")
-    return True, ""
+        raise Problem(f"{what}: dropped tokens hold {_fmt(dropped[:4])} ...; they must be -inf "
+                      "so softmax gives them probability 0")
 
 
 # ---- top-p
@@ -305,51 +301,41 @@ def _keeps_values(fn, logits, arg, reference, what) -> tuple[bool, str]:
 def _top_p_sizes(fn):
     logits = _logits_from_probs([_PROBS])
     for p in (0.3, 0.5, 0.7, 0.85, 0.97):
-        ok, msg = _compare_sets(fn, top_p_filter, logits, p, f"p={p}")
-        if not ok:
-            return ok, msg
-    return True, ""
+        _compare_sets(fn, top_p_filter, logits, p, f"p={p}")
 
 
 def _top_p_keeps_top(fn):
     for rows, p in (([_PROBS], 0.1), ([_PROBS], 0.01), ([_PEAKED], 0.5)):
-        ok, msg = _compare_sets(fn, top_p_filter, _logits_from_probs(rows), p, f"p={p}")
-        if not ok:
-            return ok, msg + "; the most likely token is always kept"
-    return True, ""
+        _compare_sets(fn, top_p_filter, _logits_from_probs(rows), p, f"p={p}",
+                      fix="; the most likely token is always kept")
 
 
 def _top_p_one_keeps_all(fn):
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(2, 64, generator=g) * 3
     logits[:, ::7] = -25.0                                  # a tail of tiny probabilities
-    ok, msg = _compare_sets(fn, top_p_filter, logits, 1.0, "p=1.0 (disabled) on 64 tokens")
-    if not ok:
-        msg += ("; a float cumulative sum can pass 1.0 before the last token, so treat "
-                "p >= 1 as 'keep everything'")
-    return ok, msg
+    _compare_sets(fn, top_p_filter, logits, 1.0, "p=1.0 (disabled) on 64 tokens",
+                  fix="; a float cumulative sum can pass 1.0 before the last token, so treat "
+                      "p >= 1 as 'keep everything'")
 
 
 def _top_p_shuffled(fn):
     logits = _logits_from_probs([_PROBS], shuffle=True)
     for p in (0.5, 0.7):
-        ok, msg = _compare_sets(fn, top_p_filter, logits, p, f"p={p} with the tokens in "
-                                "shuffled order")
-        if not ok:
-            return ok, msg + "; after sorting, map the decision back to the original token ids"
-    return True, ""
+        _compare_sets(fn, top_p_filter, logits, p, f"p={p} with the tokens in shuffled order",
+                      fix="; after sorting, map the decision back to the original token ids")
 
 
 def _top_p_batch(fn):
     rows = [_PROBS, _PEAKED, _FLAT]
     logits = _logits_from_probs(rows, shuffle=True)
     logits[1] = logits[1].flip(0)
-    return _compare_sets(fn, top_p_filter, logits, 0.6, "p=0.6 on a batch of 3 rows")
+    _compare_sets(fn, top_p_filter, logits, 0.6, "p=0.6 on a batch of 3 rows")
 
 
 def _top_p_values(fn):
-    return _keeps_values(fn, _logits_from_probs([_PROBS, _FLAT], shuffle=True), 0.7,
-                         top_p_filter, "p=0.7")
+    _keeps_values(fn, _logits_from_probs([_PROBS, _FLAT], shuffle=True), 0.7, top_p_filter,
+                  "p=0.7")
 
 
 TOP_P = Exercise("ch00.top_p", "top_p_filter", (
@@ -381,34 +367,27 @@ def _distinct_logits(rows: int, seed: int) -> torch.Tensor:
 def _top_k_sizes(fn):
     logits = _distinct_logits(1, 6)
     for k in (1, 3, 5):
-        ok, msg = _compare_sets(fn, top_k_filter, logits, k, f"k={k}", show="logits")
-        if not ok:
-            return ok, msg
-    return True, ""
+        _compare_sets(fn, top_k_filter, logits, k, f"k={k}", show="logits")
 
 
 def _top_k_disabled(fn):
-    return _compare_sets(fn, top_k_filter, _distinct_logits(2, 7), -1, "k=-1 (disabled)",
-                         show="logits")
+    _compare_sets(fn, top_k_filter, _distinct_logits(2, 7), -1, "k=-1 (disabled)",
+                  show="logits")
 
 
 def _top_k_large(fn):
     logits = _distinct_logits(2, 8)
     for k in (10, 50):
-        ok, msg = _compare_sets(fn, top_k_filter, logits, k, f"k={k} with 10 tokens",
-                                show="logits")
-        if not ok:
-            return ok, msg
-    return True, ""
+        _compare_sets(fn, top_k_filter, logits, k, f"k={k} with 10 tokens", show="logits")
 
 
 def _top_k_batch(fn):
-    return _compare_sets(fn, top_k_filter, _distinct_logits(3, 9), 2, "k=2 on a batch of 3 rows",
-                         show="logits")
+    _compare_sets(fn, top_k_filter, _distinct_logits(3, 9), 2, "k=2 on a batch of 3 rows",
+                  show="logits")
 
 
 def _top_k_values(fn):
-    return _keeps_values(fn, _distinct_logits(2, 10), 4, top_k_filter, "k=4")
+    _keeps_values(fn, _distinct_logits(2, 10), 4, top_k_filter, "k=4")
 
 
 TOP_K = Exercise("ch00.top_k", "top_k_filter", (
@@ -546,20 +525,19 @@ def _call_roofline(fn, step: _Step) -> dict:
     out = fn(*step.args())
     if not isinstance(out, dict) or any(k not in out for k in _FIELDS):
         keys = sorted(out) if isinstance(out, dict) else type(out).__name__
-        raise _Problem(f"{step.describe()}: you returned {keys}; return a dict with the keys "
-                       "'flops', 'bytes', 'intensity', 'seconds' and 'bound'")
+        raise Problem(f"{step.describe()}: you returned {keys}; return a dict with the keys "
+                      "'flops', 'bytes', 'intensity', 'seconds' and 'bound'")
     for k in _FIELDS[:4]:
         v = out[k]
         if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise _Problem(f"{step.describe()}: {k} is {v!r}; expected a number")
+            raise Problem(f"{step.describe()}: {k} is {v!r}; expected a number")
         out[k] = v
     return out
 
 
 def _roofline_check(steps, fields=_FIELDS):
-    @_checked
     def check(fn):
         for step in steps:
             got, want = _call_roofline(fn, step), step.expected
@@ -572,8 +550,8 @@ def _roofline_check(steps, fields=_FIELDS):
                             f"{ridge:.4g}: a step left of the ridge waits on memory")
                     if got[k] not in ("memory", "compute"):
                         hint = "bound is 'memory' or 'compute'"
-                    raise _Problem(f"{step.describe()}: bound is {got[k]!r}, expected "
-                                   f"{want[k]!r}; {hint}")
+                    raise Problem(f"{step.describe()}: bound is {got[k]!r}, expected "
+                                  f"{want[k]!r}; {hint}")
                 if _close(got[k], want[k]):
                     continue
                 variants = {"flops": step.flops_variants, "bytes": step.bytes_variants,
@@ -582,12 +560,11 @@ def _roofline_check(steps, fields=_FIELDS):
                     variants = [(want["bytes"] / want["flops"], "that is bytes / FLOPs; "
                                  "intensity is FLOPs per byte")]
                 hint = one_fit(got[k], variants, expected=want[k], same=_close)
-                raise _Problem(f"{step.describe()}: {k} is {got[k]:,.6g}, expected "
-                               f"{want[k]:,.6g}" + (f"; {hint}" if hint else ""))
+                raise Problem(f"{step.describe()}: {k} is {got[k]:,.6g}, expected "
+                              f"{want[k]:,.6g}" + (f"; {hint}" if hint else ""))
     return check
 
 
-@_checked
 def _roofline_errors(fn):
     base = _Step("smollm2-135m", 1, 1, 16, 2, _H100)
     cfg, b, nt, ctx, bpv, bw, peak = base.args()

@@ -14,7 +14,7 @@ from typing import Optional
 
 from .. import configs, kvmath
 from ..configs import ModelConfig
-from .core import Check, Exercise
+from .core import Check, Exercise, Problem
 from .hints import one_fit
 
 
@@ -75,12 +75,11 @@ def _kv_cases(cases):
             got = fn(cfg, dtype)
             problem = _number_problem(got)
             if problem:
-                return False, f"{cfg.name} in {dtype}: {problem}"
+                raise Problem(f"{cfg.name} in {dtype}: {problem}")
             if got != expected:
                 hint = _kv_diagnosis(got, expected, cfg, dtype)
-                return False, (f"{cfg.name} in {dtype}: you returned {got}, expected {expected} "
-                               f"= {_formula(cfg, dtype)}{hint}")
-        return True, ""
+                raise Problem(f"{cfg.name} in {dtype}: you returned {got}, expected {expected} "
+                              f"= {_formula(cfg, dtype)}{hint}")
     return check
 
 
@@ -163,8 +162,7 @@ def _plan_cases(cases):
         for case in cases:
             message = _plan_case(fn, *case)
             if message:
-                return False, message
-        return True, ""
+                raise Problem(message)
     return check
 
 

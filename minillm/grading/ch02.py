@@ -18,7 +18,7 @@ from numbers import Integral, Real
 from typing import Optional
 
 from ..lab.arena import ContiguousArena
-from .core import Check, Exercise
+from .core import Check, Exercise, Problem
 from .hints import one_fit
 
 # A layout lists an arena's pieces in address order:
@@ -116,14 +116,13 @@ def _first_fit_cases(cases, compare_list=True):
             start, extents, problem = _call_first_fit(fn, holes, size)
             what = f"free list {_fmt(holes)}, size {size}"
             if problem:
-                return False, f"{what}: {problem}"
+                raise Problem(f"{what}: {problem}")
             if start != expected:
-                return False, (f"{what}: you returned start {start}, expected {expected}"
-                               + _start_hint(holes, size, start, expected))
+                raise Problem(f"{what}: you returned start {start}, expected {expected}"
+                              + _start_hint(holes, size, start, expected))
             if compare_list and extents != after:
-                return False, f"{what}: " + _first_fit_list_hint(holes, size, expected, extents,
-                                                                  after)
-        return True, ""
+                raise Problem(f"{what}: " + _first_fit_list_hint(holes, size, expected, extents,
+                                                                  after))
     return check
 
 
@@ -161,9 +160,8 @@ def _leaves_input(fn):
         given = copy.deepcopy(holes)
         fn(given, size)
         if given != holes:
-            return False, (f"free list {_fmt(holes)}, size {size}: after the call your input "
-                           f"list reads {given!r}; build and return a new list instead")
-    return True, ""
+            raise Problem(f"free list {_fmt(holes)}, size {size}: after the call your input "
+                          f"list reads {given!r}; build and return a new list instead")
 
 
 def _rejects_bad_size(fn):
@@ -173,9 +171,8 @@ def _rejects_bad_size(fn):
             out = fn(list(holes), size)
         except ValueError:
             continue
-        return False, (f"size {size}: you returned {out!r}; a slab needs at least one token, so "
-                       "raise ValueError with a message that says so")
-    return True, ""
+        raise Problem(f"size {size}: you returned {out!r}; a slab needs at least one token, so "
+                      "raise ValueError with a message that says so")
 
 
 def _random_trace(fn, seed: int, ops: int, on_alloc=None, on_free=None):
@@ -202,8 +199,7 @@ def _random_trace(fn, seed: int, ops: int, on_alloc=None, on_free=None):
             start = slab.start if slab is not None else None
             message = on_alloc and on_alloc(fn, before, size, start, arena.free_extents(), step)
         if message:
-            return False, message
-    return True, ""
+            raise Problem(message)
 
 
 def _first_fit_trace_hook(fn, holes, size, expected, after, step):
@@ -221,10 +217,7 @@ def _first_fit_trace_hook(fn, holes, size, expected, after, step):
 
 def _first_fit_trace(fn):
     for seed in (11, 12):
-        ok, message = _random_trace(fn, seed, 80, on_alloc=_first_fit_trace_hook)
-        if not ok:
-            return ok, message
-    return True, ""
+        _random_trace(fn, seed, 80, on_alloc=_first_fit_trace_hook)
 
 
 FIRST_FIT = Exercise("ch02.first_fit", "first_fit", (
@@ -296,11 +289,10 @@ def _free_cases(layouts):
             got, problem = _call_free(fn, holes, start, length)
             what = f"free list {_fmt(holes)}, freeing ({start}, {length})"
             if problem:
-                return False, f"{what}: {problem}"
+                raise Problem(f"{what}: {problem}")
             if got != after:
-                return False, (f"{what}: you returned {_fmt(got)}, expected {_fmt(after)}"
-                               + _free_list_hint(holes, start, length, got))
-        return True, ""
+                raise Problem(f"{what}: you returned {_fmt(got)}, expected {_fmt(after)}"
+                              + _free_list_hint(holes, start, length, got))
     return check
 
 
@@ -324,9 +316,8 @@ def _rejects_double_free(fn):
             continue
         why = ("a slab holds at least one token" if length < 1 else
                "part of that range is already free, so this is a double free or a wrong address")
-        return False, (f"free list {_fmt(holes)}, freeing ({start}, {length}): you returned "
-                       f"{out!r}; {why}: raise ValueError")
-    return True, ""
+        raise Problem(f"free list {_fmt(holes)}, freeing ({start}, {length}): you returned "
+                      f"{out!r}; {why}: raise ValueError")
 
 
 def _free_leaves_input(fn):
@@ -335,9 +326,8 @@ def _free_leaves_input(fn):
         given = copy.deepcopy(holes)
         fn(given, start, length)
         if given != holes:
-            return False, (f"free list {_fmt(holes)}, freeing ({start}, {length}): after the "
-                           f"call your input list reads {given!r}; build and return a new list")
-    return True, ""
+            raise Problem(f"free list {_fmt(holes)}, freeing ({start}, {length}): after the "
+                          f"call your input list reads {given!r}; build and return a new list")
 
 
 def _free_trace_hook(fn, holes, start, length, after, step):
@@ -354,10 +344,7 @@ def _free_trace_hook(fn, holes, start, length, after, step):
 
 def _free_trace(fn):
     for seed in (21, 22):
-        ok, message = _random_trace(fn, seed, 90, on_free=_free_trace_hook)
-        if not ok:
-            return ok, message
-    return True, ""
+        _random_trace(fn, seed, 90, on_free=_free_trace_hook)
 
 
 FREE_SLAB = Exercise("ch02.free_slab", "free_slab", (
@@ -475,8 +462,7 @@ def _fragmentation_cases(cases, keys):
             what = f"slabs {slabs} (reserved, written), free list {_fmt(holes)}, request {size}"
             problem = problem or _fragmentation_mismatch(out, expected, keys, slabs, holes, size)
             if problem:
-                return False, f"{what}: {problem}"
-        return True, ""
+                raise Problem(f"{what}: {problem}")
     return check
 
 
@@ -522,9 +508,8 @@ def _fragmentation_trace(fn):
         out, problem = _call_fragmentation(fn, slabs, holes, size)
         problem = problem or _fragmentation_mismatch(out, expected, _KEYS, slabs, holes, size)
         if problem:
-            return False, (f"random arena state after {step + 1} operations: slabs {slabs}, "
-                           f"free list {_fmt(holes)}, request {size}: {problem}")
-    return True, ""
+            raise Problem(f"random arena state after {step + 1} operations: slabs {slabs}, "
+                          f"free list {_fmt(holes)}, request {size}: {problem}")
 
 
 FRAGMENTATION = Exercise("ch02.fragmentation", "fragmentation", (

@@ -20,9 +20,7 @@ from typing import Optional
 import torch
 
 from ..cache.blocks import BlockManager
-from .core import Check, Exercise
-from .core import Problem as _Problem
-from .core import checked as _checked
+from .core import Check, Exercise, Problem
 from .hints import one_fit
 
 
@@ -38,30 +36,30 @@ _STATE = ("tables", "lengths", "refcounts", "free_blocks")
 def _state(bt):
     missing = [name for name in _STATE if not hasattr(bt, name)]
     if missing:
-        raise _Problem(f"your object has no attribute(s) {', '.join(missing)}; keep the four "
-                       "attributes that __init__ creates (tables, lengths, refcounts, "
-                       "free_blocks) up to date, the grader reads them")
+        raise Problem(f"your object has no attribute(s) {', '.join(missing)}; keep the four "
+                      "attributes that __init__ creates (tables, lengths, refcounts, "
+                      "free_blocks) up to date, the grader reads them")
     return ({s: list(t) for s, t in bt.tables.items()}, dict(bt.lengths), list(bt.refcounts),
             list(bt.free_blocks))
 
 
 def _invariants(bt, num_blocks: int, where: str) -> None:
-    """Raise _Problem naming the first broken invariant of the pool and its tables."""
+    """Raise Problem naming the first broken invariant of the pool and its tables."""
     tables, lengths, refcounts, free = _state(bt)
     bs = bt.block_size
     if set(tables) != set(lengths):
-        raise _Problem(f"{where}: tables holds sequences {sorted(tables)} but lengths holds "
-                       f"{sorted(lengths)}; add and remove both together")
+        raise Problem(f"{where}: tables holds sequences {sorted(tables)} but lengths holds "
+                      f"{sorted(lengths)}; add and remove both together")
     for s, table in tables.items():
         want = _ceil(lengths[s], bs)
         if len(table) != want:
-            raise _Problem(f"{where}: sequence {s} holds {lengths[s]} tokens in {len(table)} "
-                           f"blocks; with block_size {bs} it needs ceil({lengths[s]}/{bs}) = "
-                           f"{want}")
+            raise Problem(f"{where}: sequence {s} holds {lengths[s]} tokens in {len(table)} "
+                          f"blocks; with block_size {bs} it needs ceil({lengths[s]}/{bs}) = "
+                          f"{want}")
         bad = [b for b in table if not (isinstance(b, int) and 0 <= b < num_blocks)]
         if bad:
-            raise _Problem(f"{where}: sequence {s}'s table holds {bad}, not block ids in "
-                           f"0..{num_blocks - 1}")
+            raise Problem(f"{where}: sequence {s}'s table holds {bad}, not block ids in "
+                          f"0..{num_blocks - 1}")
     holders = defaultdict(int)
     for table in tables.values():
         for b in table:
@@ -71,20 +69,20 @@ def _invariants(bt, num_blocks: int, where: str) -> None:
             effect = ("a count too high never reaches 0, so the block leaks"
                       if refcounts[b] > holders[b] else
                       "a count too low frees the block while a table still uses it")
-            raise _Problem(f"{where}: block {b} is in {holders[b]} table(s) but its refcount is "
-                           f"{refcounts[b]}; a refcount must count the tables that hold the block "
-                           f"({effect})")
+            raise Problem(f"{where}: block {b} is in {holders[b]} table(s) but its refcount is "
+                          f"{refcounts[b]}; a refcount must count the tables that hold the block "
+                          f"({effect})")
     if len(set(free)) != len(free):
         dup = sorted({b for b in free if free.count(b) > 1})
-        raise _Problem(f"{where}: blocks {dup} are in free_blocks more than once (freed twice?)")
+        raise Problem(f"{where}: blocks {dup} are in free_blocks more than once (freed twice?)")
     used_but_free = sorted(b for b in free if holders[b])
     if used_but_free:
-        raise _Problem(f"{where}: blocks {used_but_free} are in free_blocks while a table still "
-                       "uses them; a block goes back only when its refcount reaches 0")
+        raise Problem(f"{where}: blocks {used_but_free} are in free_blocks while a table still "
+                      "uses them; a block goes back only when its refcount reaches 0")
     leaked = sorted(b for b in range(num_blocks) if not holders[b] and b not in set(free))
     if leaked:
-        raise _Problem(f"{where}: blocks {leaked} are in no table and not in free_blocks: they "
-                       "leaked (a block whose refcount reaches 0 must go back to the free list)")
+        raise Problem(f"{where}: blocks {leaked} are in no table and not in free_blocks: they "
+                      "leaked (a block whose refcount reaches 0 must go back to the free list)")
 
 
 def _sharing(tables: dict) -> list:
@@ -103,11 +101,10 @@ def _copies(result) -> list:
     try:
         return [tuple(int(x) for x in pair) for pair in result]
     except (TypeError, ValueError):
-        raise _Problem(f"append returned {result!r}; return a list of (src, dst) block pairs "
-                       "([] when nothing was copied)")
+        raise Problem(f"append returned {result!r}; return a list of (src, dst) block pairs "
+                      "([] when nothing was copied)")
 
 
-@_checked
 def _allocate_counts(cls):
     for bs, n in ((16, 1), (16, 15), (16, 16), (16, 17), (16, 32), (16, 33), (4, 9), (1, 5)):
         bt = cls(20, bs)
@@ -117,15 +114,14 @@ def _allocate_counts(cls):
         if got != want:
             hint = (" (an exact multiple fills its last block completely: no extra block)"
                     if n % bs == 0 and got == want + 1 else "")
-            raise _Problem(f"allocate(0, {n}) with block_size {bs} built a table of {got} "
-                           f"blocks; expected ceil({n}/{bs}) = {want}{hint}")
+            raise Problem(f"allocate(0, {n}) with block_size {bs} built a table of {got} "
+                          f"blocks; expected ceil({n}/{bs}) = {want}{hint}")
         if len(free) != 20 - want:
-            raise _Problem(f"allocate(0, {n}) with block_size {bs} left {len(free)} of 20 blocks "
-                           f"free; expected {20 - want}")
+            raise Problem(f"allocate(0, {n}) with block_size {bs} left {len(free)} of 20 blocks "
+                          f"free; expected {20 - want}")
         _invariants(bt, 20, f"after allocate(0, {n}) with block_size {bs}")
 
 
-@_checked
 def _append_counts(cls):
     bs, bt = 4, cls(12, 4)
     bt.allocate(0, 3)
@@ -138,15 +134,14 @@ def _append_counts(cls):
                     if n % bs == 0 else
                     f"the last block still had {bs - n % bs} free slot(s); take a new block only "
                     "when the last one is full (tokens % block_size == 0)")
-            raise _Problem(f"growing sequence 0 from {n} to {n + 1} tokens (block_size {bs}) "
-                           f"went from {before} to {got} blocks; expected {want}: {rule}")
+            raise Problem(f"growing sequence 0 from {n} to {n + 1} tokens (block_size {bs}) "
+                          f"went from {before} to {got} blocks; expected {want}: {rule}")
         if copies:
-            raise _Problem(f"append returned copies {copies} for a sequence that shares nothing; "
-                           "copy only a shared, partly filled last block")
+            raise Problem(f"append returned copies {copies} for a sequence that shares nothing; "
+                          "copy only a shared, partly filled last block")
         _invariants(bt, 12, f"after growing sequence 0 to {n + 1} tokens")
 
 
-@_checked
 def _fork_shares(cls):
     bt = cls(10, 16)
     bt.allocate(0, 40)                                      # 3 blocks, the last holds 8 tokens
@@ -155,23 +150,22 @@ def _fork_shares(cls):
     bt.fork(0, 2)
     tables, lengths, refcounts, free = _state(bt)
     if len(free) != 7:
-        raise _Problem(f"two forks of a 3-block sequence left {len(free)} of 10 blocks free; "
-                       "expected 7: a fork shares the parent's blocks and takes no new one")
+        raise Problem(f"two forks of a 3-block sequence left {len(free)} of 10 blocks free; "
+                      "expected 7: a fork shares the parent's blocks and takes no new one")
     for child in (1, 2):
         if tables.get(child) != parent:
-            raise _Problem(f"fork(0, {child}) gave the child table {tables.get(child)}; expected "
-                           f"the parent's own blocks {parent}")
+            raise Problem(f"fork(0, {child}) gave the child table {tables.get(child)}; expected "
+                          f"the parent's own blocks {parent}")
         if lengths.get(child) != 40:
-            raise _Problem(f"fork(0, {child}) set the child's length to {lengths.get(child)}; "
-                           "expected the parent's 40 tokens")
+            raise Problem(f"fork(0, {child}) set the child's length to {lengths.get(child)}; "
+                          "expected the parent's 40 tokens")
     wrong = {b: refcounts[b] for b in parent if refcounts[b] != 3}
     if wrong:
-        raise _Problem(f"after two forks the refcounts of the shared blocks are {wrong}; expected "
-                       "3 each (the parent and two children hold them)")
+        raise Problem(f"after two forks the refcounts of the shared blocks are {wrong}; expected "
+                      "3 each (the parent and two children hold them)")
     _invariants(bt, 10, "after fork(0, 1) and fork(0, 2)")
 
 
-@_checked
 def _cow_partial(cls):
     bt = cls(10, 16)
     bt.allocate(0, 40)                                      # 3 blocks, the last holds 8 tokens
@@ -181,37 +175,36 @@ def _cow_partial(cls):
     tables, _, refcounts, free = _state(bt)
     child = tables[1]
     if tables[0] != parent:
-        raise _Problem(f"appending to the child changed the parent's table from {parent} to "
-                       f"{tables[0]}; copy-on-write replaces the WRITER's block")
+        raise Problem(f"appending to the child changed the parent's table from {parent} to "
+                      f"{tables[0]}; copy-on-write replaces the WRITER's block")
     if child[-1] == parent[-1]:
-        raise _Problem(f"after fork, appending token 41 to the child wrote into its last block "
-                       f"{parent[-1]}, which it shares with the parent (refcount "
-                       f"{refcounts[parent[-1]]}) and which holds only 8 of 16 tokens: the "
-                       "parent's KV would be overwritten. Copy a shared, partly filled last block "
-                       "first (copy-on-write)")
+        raise Problem(f"after fork, appending token 41 to the child wrote into its last block "
+                      f"{parent[-1]}, which it shares with the parent (refcount "
+                      f"{refcounts[parent[-1]]}) and which holds only 8 of 16 tokens: the "
+                      "parent's KV would be overwritten. Copy a shared, partly filled last block "
+                      "first (copy-on-write)")
     if child[:-1] != parent[:-1]:
-        raise _Problem(f"the child's table became {child}; only its last block may change, the "
-                       f"full blocks {parent[:-1]} stay shared")
+        raise Problem(f"the child's table became {child}; only its last block may change, the "
+                      f"full blocks {parent[:-1]} stay shared")
     if len(free) != 6:
-        raise _Problem(f"copy-on-write left {len(free)} of 10 blocks free; expected 6 (3 shared "
-                       "blocks + 1 copy in use)")
+        raise Problem(f"copy-on-write left {len(free)} of 10 blocks free; expected 6 (3 shared "
+                      "blocks + 1 copy in use)")
     if copies != [(parent[-1], child[-1])]:
-        raise _Problem(f"append returned {copies}; expected [({parent[-1]}, {child[-1]})], the "
-                       "(src, dst) pair whose KV contents the caller must copy")
+        raise Problem(f"append returned {copies}; expected [({parent[-1]}, {child[-1]})], the "
+                      "(src, dst) pair whose KV contents the caller must copy")
     if refcounts[parent[-1]] != 1 or any(refcounts[b] != 2 for b in parent[:-1]):
-        raise _Problem(f"after copy-on-write the refcounts are "
-                       f"{ {b: refcounts[b] for b in parent + [child[-1]]} }; expected 2 for the "
-                       f"still-shared {parent[:-1]} and 1 for {parent[-1]} and {child[-1]}")
+        raise Problem(f"after copy-on-write the refcounts are "
+                      f"{ {b: refcounts[b] for b in parent + [child[-1]]} }; expected 2 for the "
+                      f"still-shared {parent[:-1]} and 1 for {parent[-1]} and {child[-1]}")
     copies = _copies(bt.append(0))                          # the parent writes token 41
     tables, _, _, free = _state(bt)
     if copies or tables[0] != parent or len(free) != 6:
-        raise _Problem(f"the parent's last block {parent[-1]} is no longer shared (refcount 1), "
-                       f"so appending to the parent must write in place; it returned {copies} "
-                       f"and changed the table to {tables[0]}")
+        raise Problem(f"the parent's last block {parent[-1]} is no longer shared (refcount 1), "
+                      f"so appending to the parent must write in place; it returned {copies} "
+                      f"and changed the table to {tables[0]}")
     _invariants(bt, 10, "after copy-on-write")
 
 
-@_checked
 def _full_block_stays_shared(cls):
     bt = cls(10, 16)
     bt.allocate(0, 32)                                      # exactly 2 full blocks
@@ -220,20 +213,19 @@ def _full_block_stays_shared(cls):
     copies = _copies(bt.append(1))
     tables, _, refcounts, free = _state(bt)
     if copies:
-        raise _Problem(f"append copied {copies} although the shared last block was full; nobody "
-                       "writes into a full block again, so it stays shared and the new token "
-                       "starts a new block")
+        raise Problem(f"append copied {copies} although the shared last block was full; nobody "
+                      "writes into a full block again, so it stays shared and the new token "
+                      "starts a new block")
     if tables[1][:2] != parent or len(tables[1]) != 3:
-        raise _Problem(f"after fork of a 32-token sequence (block_size 16, parent table "
-                       f"{parent}), the child's 33rd token gave it table {tables[1]}; expected "
-                       f"{parent} + one new block")
+        raise Problem(f"after fork of a 32-token sequence (block_size 16, parent table "
+                      f"{parent}), the child's 33rd token gave it table {tables[1]}; expected "
+                      f"{parent} + one new block")
     if any(refcounts[b] != 2 for b in parent) or len(free) != 7:
-        raise _Problem(f"refcounts {[refcounts[b] for b in parent]} for the shared full blocks "
-                       f"and {len(free)} free blocks; expected [2, 2] and 7")
+        raise Problem(f"refcounts {[refcounts[b] for b in parent]} for the shared full blocks "
+                      f"and {len(free)} free blocks; expected [2, 2] and 7")
     _invariants(bt, 10, "after the child's 33rd token")
 
 
-@_checked
 def _no_leaks(cls):
     nb = 16
     bt, ref = cls(nb, 4), BlockManager(nb, 4)
@@ -245,12 +237,12 @@ def _no_leaks(cls):
         _invariants(bt, nb, f"after {label}")
         free = len(_state(bt)[3])
         if free != ref.num_free_blocks:
-            raise _Problem(f"after {label} {free} blocks are free; expected "
-                           f"{ref.num_free_blocks}")
+            raise Problem(f"after {label} {free} blocks are free; expected "
+                          f"{ref.num_free_blocks}")
     tables, _, refcounts, free = _state(bt)
     if tables or len(free) != nb or any(refcounts):
-        raise _Problem(f"after freeing every sequence {len(free)} of {nb} blocks are free and "
-                       f"the refcounts are {refcounts}; everything must be back")
+        raise Problem(f"after freeing every sequence {len(free)} of {nb} blocks are free and "
+                      f"the refcounts are {refcounts}; everything must be back")
 
 
 def _apply(bt, ref, step):
@@ -307,7 +299,6 @@ class _NullTables:
     def free(self, *a): pass
 
 
-@_checked
 def _matches_reference(cls):
     nb, bs = 24, 4
     ops = _random_ops(3, nb, bs, 160)
@@ -318,14 +309,14 @@ def _matches_reference(cls):
         _invariants(bt, nb, f"after {label}")
         tables, lengths, _, free = _state(bt)
         if lengths != ref.lengths:
-            raise _Problem(f"after {label} the lengths are {lengths}; expected {ref.lengths}")
+            raise Problem(f"after {label} the lengths are {lengths}; expected {ref.lengths}")
         if len(free) != ref.num_free_blocks:
-            raise _Problem(f"after {label} {len(free)} blocks are free; minillm's BlockManager "
-                           f"has {ref.num_free_blocks} free")
+            raise Problem(f"after {label} {len(free)} blocks are free; minillm's BlockManager "
+                          f"has {ref.num_free_blocks} free")
         if _sharing(tables) != _sharing(ref.tables):
-            raise _Problem(f"after {label} the blocks are shared differently from minillm's "
-                           f"BlockManager (yours {tables}, reference {ref.tables}, up to block "
-                           "ids)")
+            raise Problem(f"after {label} the blocks are shared differently from minillm's "
+                          f"BlockManager (yours {tables}, reference {ref.tables}, up to block "
+                          "ids)")
 
 
 def _expect_value_error(action, what: str) -> None:
@@ -336,19 +327,18 @@ def _expect_value_error(action, what: str) -> None:
     except NotImplementedError:
         raise
     except Exception as exc:
-        raise _Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError with a "
-                       "message that names the fix")
-    raise _Problem(f"{what} did not raise; raise ValueError (nothing may be silently dropped)")
+        raise Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError with a "
+                      "message that names the fix")
+    raise Problem(f"{what} did not raise; raise ValueError (nothing may be silently dropped)")
 
 
 def _unchanged(bt, before, what: str) -> None:
     if _state(bt) != before:
-        raise _Problem(f"{what} raised, but changed the state on the way (tables, lengths, "
-                       "refcounts or free_blocks); check that enough blocks are free BEFORE "
-                       "taking any")
+        raise Problem(f"{what} raised, but changed the state on the way (tables, lengths, "
+                      "refcounts or free_blocks); check that enough blocks are free BEFORE "
+                      "taking any")
 
 
-@_checked
 def _errors(cls):
     bt = cls(4, 4)
     bt.allocate(0, 12)                                      # 3 blocks, 1 free
@@ -412,17 +402,16 @@ _SLOT_VARIANTS = [
 def _as_ints(out):
     if isinstance(out, torch.Tensor):
         if out.dim() != 1 or out.is_floating_point():
-            raise _Problem(f"returned a tensor of shape {list(out.shape)} and dtype {out.dtype}; "
-                           "expected a list of ints (or a 1-D integer tensor)")
+            raise Problem(f"returned a tensor of shape {list(out.shape)} and dtype {out.dtype}; "
+                          "expected a list of ints (or a 1-D integer tensor)")
         return [int(x) for x in out.tolist()]
     if not isinstance(out, (list, tuple)) or not all(
             isinstance(x, int) and not isinstance(x, bool) for x in out):
-        raise _Problem(f"returned {type(out).__name__} {str(out)[:80]}; expected a list of ints")
+        raise Problem(f"returned {type(out).__name__} {str(out)[:80]}; expected a list of ints")
     return list(out)
 
 
 def _slot_cases(cases):
-    @_checked
     def check(fn):
         for table, start, end, bs in cases:
             what = (f"block_table={table}, block_size={bs}, positions {start} .. {end - 1}"
@@ -433,8 +422,8 @@ def _slot_cases(cases):
             if got == want:
                 continue
             if len(got) != len(want):
-                raise _Problem(f"{what}: returned {len(got)} slots, expected {len(want)}, one per "
-                               "position from start up to but excluding end")
+                raise Problem(f"{what}: returned {len(got)} slots, expected {len(want)}, one per "
+                              "position from start up to but excluding end")
             alts = []
             for variant, sentence in _SLOT_VARIANTS:
                 try:
@@ -443,16 +432,15 @@ def _slot_cases(cases):
                     continue
             sentence = one_fit(got, alts, expected=want)
             if sentence:
-                raise _Problem(f"{what}: you returned {got}, expected {want}; {sentence}")
+                raise Problem(f"{what}: you returned {got}, expected {want}; {sentence}")
             i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
             p = start + i
-            raise _Problem(f"{what}: you returned {got}, expected {want}; position {p} lives in "
-                           f"block table[{p // bs}] = {table[p // bs]} at offset {p % bs}, slot "
-                           f"{want[i]}")
+            raise Problem(f"{what}: you returned {got}, expected {want}; position {p} lives in "
+                          f"block table[{p // bs}] = {table[p // bs]} at offset {p % bs}, slot "
+                          f"{want[i]}")
     return check
 
 
-@_checked
 def _slot_errors(fn):
     for table, start, end, bs, why in (
             ([3, 1], 0, 33, 16, "position 32 is beyond the 2 blocks x 16 tokens of the table"),
@@ -467,10 +455,10 @@ def _slot_errors(fn):
         except NotImplementedError:
             raise
         except Exception as exc:
-            raise _Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError that "
-                           "says which positions the table can hold")
-        raise _Problem(f"{what} returned {str(out)[:60]} instead of raising ValueError; a "
-                       "position outside the table has no slot, so nothing may be returned")
+            raise Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError that "
+                          "says which positions the table can hold")
+        raise Problem(f"{what} returned {str(out)[:60]} instead of raising ValueError; a "
+                      "position outside the table has no slot, so nothing may be returned")
 
 
 SLOT_MAPPING = Exercise("ch03.slot_mapping", "slot_mapping", (
@@ -523,10 +511,10 @@ def _call_gather(fn, case):
             raise root
         text = str(exc)
         if any(word in text.lower() for word in ("cuda", "pointer", "driver")):
-            raise _Problem(f"{case.describe()}: the kernel could not run on CPU tensors "
-                           f"({type(exc).__name__}: {text[:160]}); set "
-                           "os.environ['TRITON_INTERPRET'] = '1' before the cell that defines "
-                           "the kernel (the problem set's first cell does) and re-run both")
+            raise Problem(f"{case.describe()}: the kernel could not run on CPU tensors "
+                          f"({type(exc).__name__}: {text[:160]}); set "
+                          "os.environ['TRITON_INTERPRET'] = '1' before the cell that defines "
+                          "the kernel (the problem set's first cell does) and re-run both")
         raise
     return out, cache, table
 
@@ -571,7 +559,6 @@ def _diagnose_gather(out, case) -> Optional[str]:
 
 
 def _gather_cases(specs):
-    @_checked
     def check(fn):
         for spec in specs:
             case = _GatherCase(**spec)
@@ -579,14 +566,14 @@ def _gather_cases(specs):
             shape = list(case.expected.shape)
             if not isinstance(out, torch.Tensor) or list(out.shape) != shape:
                 got = list(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-                raise _Problem(f"{case.describe()}: returned {got}; expected a tensor {shape}")
+                raise Problem(f"{case.describe()}: returned {got}; expected a tensor {shape}")
             if not torch.equal(cache, case.cache) or not torch.equal(table, case.table):
-                raise _Problem(f"{case.describe()}: the kernel wrote into the pool or the block "
-                               "table; it may only read them and write the output")
+                raise Problem(f"{case.describe()}: the kernel wrote into the pool or the block "
+                              "table; it may only read them and write the output")
             if torch.equal(out, case.expected):
                 continue
             why = _diagnose_gather(out, case) or _first_bad_row(out, case)
-            raise _Problem(f"{case.describe()}: {why}")
+            raise Problem(f"{case.describe()}: {why}")
     return check
 
 

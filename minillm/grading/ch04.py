@@ -21,7 +21,7 @@ from ..cache.blocks import BlockManager
 from ..engine.request import Request
 from ..engine.scheduler import Scheduler
 from ..sampling import SamplingParams
-from .core import Check, Exercise
+from .core import Check, Exercise, Problem
 
 
 @dataclass(frozen=True)
@@ -204,8 +204,7 @@ def _schedule_cases(states):
         for state in states:
             problem = _compare(state, fn, "")
             if problem:
-                return False, problem
-        return True, ""
+                raise Problem(problem)
     return check
 
 
@@ -250,10 +249,9 @@ def _untouched(fn):
         running, waiting, *rest = state.args()
         fn(running, waiting, *rest)
         if running != list(state.running) or waiting != list(state.waiting):
-            return False, (f"{state.describe()}: after the call your input lists read running "
-                           f"{[s.id for s in running]}, waiting {[s.id for s in waiting]}; "
-                           "leave them as they were and return the plan instead")
-    return True, ""
+            raise Problem(f"{state.describe()}: after the call your input lists read running "
+                          f"{[s.id for s in running]}, waiting {[s.id for s in waiting]}; "
+                          "leave them as they were and return the plan instead")
 
 
 def _random_state(rng: random.Random) -> _State:
@@ -281,8 +279,7 @@ def _random_states(fn):
     for i in range(300):
         problem = _compare(_random_state(rng), fn, f"random state {i + 1}: ")
         if problem:
-            return False, problem
-    return True, ""
+            raise Problem(problem)
 
 
 SCHEDULE_STEP = Exercise("ch04.schedule_step", "schedule_step", (
@@ -450,17 +447,17 @@ def _occupancy_cases(cases, keys=_OCC_KEYS):
             got, problem = _call_occupancy(fn, lens, slots, scheduling)
             what = f"output_lens={list(lens)}, max_num_seqs={slots}, scheduling={scheduling!r}"
             if problem:
-                return False, f"{what}: {problem}"
+                raise Problem(f"{what}: {problem}")
             runs.append((lens, slots, scheduling, got["steps"], want["steps"]))
             if first_wrong is None and any(got[k] != want[k] for k in keys):
                 first_wrong = (what, lens, slots, scheduling, got, want)
         if first_wrong is None:
-            return True, ""
+            return
         what, lens, slots, scheduling, got, want = first_wrong
         shown = {k: got[k] for k in keys}
         expected = {k: want[k] for k in keys}
-        return False, (f"{what}: you returned {shown}, expected {expected}"
-                       + _occupancy_hint(lens, slots, scheduling, got, want, runs))
+        raise Problem(f"{what}: you returned {shown}, expected {expected}"
+                      + _occupancy_hint(lens, slots, scheduling, got, want, runs))
     return check
 
 
@@ -472,9 +469,8 @@ def _occupancy_bad_input(fn):
             out = fn(*args)
         except ValueError:
             continue
-        return False, (f"slot_occupancy{args!r}: you returned {out!r}; {why}, so raise "
-                       "ValueError with a message that says so")
-    return True, ""
+        raise Problem(f"slot_occupancy{args!r}: you returned {out!r}; {why}, so raise "
+                      "ValueError with a message that says so")
 
 
 def _occupancy_random(fn):
@@ -483,10 +479,10 @@ def _occupancy_random(fn):
         lens = [rng.choice([1, 2, 3, 5, 8, 13, 30]) for _ in range(rng.randint(1, 14))]
         slots = rng.randint(1, 5)
         scheduling = rng.choice(["static", "continuous"])
-        ok, message = _occupancy_cases([(lens, slots, scheduling)])(fn)
-        if not ok:
-            return False, f"random trace {i + 1}: {message}"
-    return True, ""
+        try:
+            _occupancy_cases([(lens, slots, scheduling)])(fn)
+        except Problem as problem:
+            raise Problem(f"random trace {i + 1}: {problem}") from None
 
 
 _TAIL = [4, 1, 1, 1]               # the example of the problem set

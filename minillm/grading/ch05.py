@@ -30,9 +30,7 @@ import torch
 
 from .. import kernels
 from ..cache.paged import build_step_metadata
-from .core import Check, Exercise, expect_value_error
-from .core import Problem as _Problem
-from .core import checked as _checked
+from .core import Check, Exercise, Problem, expect_value_error
 from .hints import one_fit
 
 
@@ -57,12 +55,12 @@ def reference_metadata(spans) -> dict:
 def _as_int_list(value, name: str, what: str) -> list:
     if hasattr(value, "tolist") and hasattr(value, "dim"):          # a torch tensor
         if value.dim() != 1 or value.is_floating_point():
-            raise _Problem(f"{what}: {name} is a tensor of shape {list(value.shape)} and dtype "
-                           f"{value.dtype}; expected a list of ints (or a 1-D integer tensor)")
+            raise Problem(f"{what}: {name} is a tensor of shape {list(value.shape)} and dtype "
+                          f"{value.dtype}; expected a list of ints (or a 1-D integer tensor)")
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(_is_int(x) for x in value):
-        raise _Problem(f"{what}: {name} is {type(value).__name__} {str(value)[:60]}; expected a "
-                       "list of ints")
+        raise Problem(f"{what}: {name} is {type(value).__name__} {str(value)[:60]}; expected a "
+                      "list of ints")
     return [int(x) for x in value]
 
 
@@ -71,8 +69,8 @@ def _call_metadata(fn, spans) -> dict:
     out = fn([tuple(s) for s in spans])
     if not isinstance(out, dict) or any(k not in out for k in _FIELDS):
         keys = sorted(out) if isinstance(out, dict) else type(out).__name__
-        raise _Problem(f"{what}: you returned {keys}; return a dict with the keys "
-                       "'cu_seqlens_q', 'positions' and 'seq_lens'")
+        raise Problem(f"{what}: you returned {keys}; return a dict with the keys "
+                      "'cu_seqlens_q', 'positions' and 'seq_lens'")
     return {k: _as_int_list(out[k], k, what) for k in _FIELDS}
 
 
@@ -114,7 +112,6 @@ def _variants(spans) -> dict:
 
 
 def _metadata_cases(cases, fields=_FIELDS):
-    @_checked
     def check(fn):
         for spans in cases:
             got = _call_metadata(fn, spans)
@@ -123,12 +120,11 @@ def _metadata_cases(cases, fields=_FIELDS):
                 if got[name] == want[name]:
                     continue
                 hint = one_fit(got[name], _variants(spans)[name], expected=want[name])
-                raise _Problem(f"spans={list(spans)}: {name} is {got[name]}, expected "
-                               f"{want[name]}" + (f"; {hint}" if hint else ""))
+                raise Problem(f"spans={list(spans)}: {name} is {got[name]}, expected "
+                              f"{want[name]}" + (f"; {hint}" if hint else ""))
     return check
 
 
-@_checked
 def _metadata_errors(fn):
     for spans, why in (([(0, 4), (5, 0)], "a span with num_new = 0 computes nothing"),
                        ([(-1, 3)], "num_computed cannot be negative"),
@@ -318,31 +314,30 @@ _PREFILL_DIAGNOSES = [
 
 
 def _prefill_check(cases, tolerance=1e-4):
-    @_checked
     def check(fn):
         for spec in cases:
             step = _Step(**spec)
             out, untouched = step.run(fn)
             where = step.describe()
             if not isinstance(out, torch.Tensor):
-                raise _Problem(f"{where}: you returned {type(out).__name__}; return a tensor "
-                               f"[T, H, D] = {list(step.q.shape)}")
+                raise Problem(f"{where}: you returned {type(out).__name__}; return a tensor "
+                              f"[T, H, D] = {list(step.q.shape)}")
             if tuple(out.shape) != tuple(step.q.shape):
-                raise _Problem(f"{where}: you returned shape {list(out.shape)}; expected "
-                               f"[T, H, D] = {list(step.q.shape)}, one row per query")
+                raise Problem(f"{where}: you returned shape {list(out.shape)}; expected "
+                              f"[T, H, D] = {list(step.q.shape)}, one row per query")
             if out.dtype != step.q.dtype:
-                raise _Problem(f"{where}: you returned {out.dtype}; return q's dtype "
-                               f"({step.q.dtype}): compute in float32 if you like, then cast")
+                raise Problem(f"{where}: you returned {out.dtype}; return q's dtype "
+                              f"({step.q.dtype}): compute in float32 if you like, then cast")
             if not untouched:
-                raise _Problem(f"{where}: your function modified its inputs; attention only "
-                               "reads q, the cache and the tables")
+                raise Problem(f"{where}: your function modified its inputs; attention only "
+                              "reads q, the cache and the tables")
             got = out.detach().float()
             if torch.allclose(got, step.expected, atol=tolerance, rtol=tolerance):
                 continue
             if torch.isnan(got).any():
                 t, h, _ = torch.nonzero(torch.isnan(got))[0].tolist()
-                raise _Problem(f"{where}: NaN at query row {t}, head {h}; a query whose keys "
-                               "are all masked gives NaN (every query sees at least its own key)")
+                raise Problem(f"{where}: NaN at query row {t}, head {h}; a query whose keys "
+                              "are all masked gives NaN (every query sees at least its own key)")
             bad = (got - step.expected).abs().amax(dim=(1, 2))                  # [T]
             t = int(bad.argmax())
             b = int(torch.searchsorted(step.cu_seqlens_q[1:], t, right=True))
@@ -354,7 +349,7 @@ def _prefill_check(cases, tolerance=1e-4):
             sentence = one_fit(got, [(_attend_variant(step, **v), s) for v, s in _PREFILL_DIAGNOSES],
                                expected=step.expected,
                                same=lambda a, b: torch.allclose(a, b, atol=tol, rtol=tol))
-            raise _Problem(msg + (f"; {sentence}" if sentence else ""))
+            raise Problem(msg + (f"; {sentence}" if sentence else ""))
     return check
 
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 import random
 
 from ..cache.prefix import hash_block_tokens, num_cacheable_blocks
-from .core import Check, Exercise
-from .core import Problem as _Problem
-from .core import checked as _checked
+from .core import Check, Exercise, Problem
 
 
 # =========================================================================== (a) block keys
@@ -35,10 +33,10 @@ def _keys(block_keys, ids, bs, salt=None):
     try:
         got = list(got)
     except TypeError:
-        raise _Problem(f"block_keys returned {type(got).__name__}; return a list of ints")
+        raise Problem(f"block_keys returned {type(got).__name__}; return a list of ints")
     if not all(isinstance(k, int) for k in got):
-        raise _Problem(f"block_keys returned {got[:3]}...; every key must be an int (the value "
-                       "hash_block_tokens returns)")
+        raise Problem(f"block_keys returned {got[:3]}...; every key must be an int (the value "
+                      "hash_block_tokens returns)")
     return got
 
 
@@ -47,18 +45,16 @@ def _ids(n, seed):
     return [rng.randrange(1000) for _ in range(n)]
 
 
-@_checked
 def _one_key_per_full_block(block_keys):
     for n, bs in [(0, 4), (3, 4), (4, 4), (7, 4), (16, 16), (17, 16), (40, 16), (5, 1)]:
         got = _keys(block_keys, _ids(n, n), bs)
         if len(got) != n // bs:
             extra = " (you gave the partly filled last block a key: only full blocks get one)" \
                 if len(got) == -(-n // bs) else ""
-            raise _Problem(f"{n} tokens in blocks of {bs}: you returned {len(got)} keys, "
-                           f"expected {n // bs}, one per FULL block{extra}")
+            raise Problem(f"{n} tokens in blocks of {bs}: you returned {len(got)} keys, "
+                          f"expected {n // bs}, one per FULL block{extra}")
 
 
-@_checked
 def _keys_chain_the_parent(block_keys):
     ids, bs = _ids(14, 1), 4
     got, want = _keys(block_keys, ids, bs), reference_block_keys(ids, bs)
@@ -66,44 +62,41 @@ def _keys_chain_the_parent(block_keys):
     if got == want:
         return
     if got == alone:
-        raise _Problem("you hashed every block on its own (parent None); block i's key must be "
-                       "hash_block_tokens(key of block i-1, its tokens) so that it names the whole "
-                       "prefix")
-    raise _Problem(f"for 14 tokens in blocks of 4 you returned keys {got}, expected {want} "
-                   "(hash_block_tokens(parent_key, block tokens, cache_salt), parent None for "
-                   "the first block)")
+        raise Problem("you hashed every block on its own (parent None); block i's key must be "
+                      "hash_block_tokens(key of block i-1, its tokens) so that it names the whole "
+                      "prefix")
+    raise Problem(f"for 14 tokens in blocks of 4 you returned keys {got}, expected {want} "
+                  "(hash_block_tokens(parent_key, block tokens, cache_salt), parent None for "
+                  "the first block)")
 
 
-@_checked
 def _same_tokens_after_another_prefix_differ(block_keys):
     a, b = [1, 2, 3, 4, 9, 9, 9, 9], [5, 6, 7, 8, 9, 9, 9, 9]
     ka, kb = _keys(block_keys, a, 4), _keys(block_keys, b, 4)
     if len(ka) == len(kb) == 2 and ka[1] == kb[1]:
-        raise _Problem("[1,2,3,4 | 9,9,9,9] and [5,6,7,8 | 9,9,9,9] got the same key for their "
-                       "second block; its K/V differ (they depend on the first block), so the "
-                       "key must chain the parent's key")
+        raise Problem("[1,2,3,4 | 9,9,9,9] and [5,6,7,8 | 9,9,9,9] got the same key for their "
+                      "second block; its K/V differ (they depend on the first block), so the "
+                      "key must chain the parent's key")
     late = _keys(block_keys, a[:5] + [0, 0, 0], 4)
     if late[:1] != ka[:1]:
-        raise _Problem("changing a token of block 1 changed block 0's key; a block's key depends "
-                       "only on the tokens up to its end")
+        raise Problem("changing a token of block 1 changed block 0's key; a block's key depends "
+                      "only on the tokens up to its end")
 
 
-@_checked
 def _salt_separates(block_keys):
     ids, bs = _ids(9, 3), 4
     plain, salted = _keys(block_keys, ids, bs), _keys(block_keys, ids, bs, "tenant-a")
     other = _keys(block_keys, ids, bs, "tenant-b")
     if salted == plain:
-        raise _Problem("cache_salt='tenant-a' gave the same keys as no salt; pass the salt to "
-                       "hash_block_tokens, or two tenants share (and can time) each other's cache")
+        raise Problem("cache_salt='tenant-a' gave the same keys as no salt; pass the salt to "
+                      "hash_block_tokens, or two tenants share (and can time) each other's cache")
     if salted == other:
-        raise _Problem("two different salts gave the same keys")
+        raise Problem("two different salts gave the same keys")
     want = reference_block_keys(ids, bs, "tenant-a")
     if salted != want:
-        raise _Problem(f"with cache_salt='tenant-a' you returned {salted}, expected {want}")
+        raise Problem(f"with cache_salt='tenant-a' you returned {salted}, expected {want}")
 
 
-@_checked
 def _matches_reference_on_random_prompts(block_keys):
     rng = random.Random(6)
     for trial in range(20):
@@ -112,9 +105,9 @@ def _matches_reference_on_random_prompts(block_keys):
         salt = rng.choice([None, "x"])
         got, want = _keys(block_keys, ids, bs, salt), reference_block_keys(ids, bs, salt)
         if got != want:
-            raise _Problem(f"{len(ids)} tokens, block_size {bs}, cache_salt {salt!r}: you returned "
-                           f"{len(got)} keys, {sum(a != b for a, b in zip(got, want))} of them "
-                           f"different from the expected {len(want)}")
+            raise Problem(f"{len(ids)} tokens, block_size {bs}, cache_salt {salt!r}: you returned "
+                          f"{len(got)} keys, {sum(a != b for a, b in zip(got, want))} of them "
+                          f"different from the expected {len(want)}")
 
 
 BLOCK_KEYS = Exercise("ch06.block_keys", "block_keys", (
@@ -135,7 +128,7 @@ def check_block_keys(block_keys, time_limit=None):
 def _size(q):
     n = q.num_free_blocks
     if not isinstance(n, int):
-        raise _Problem(f"num_free_blocks is {n!r}; it must be an int (how many blocks are free)")
+        raise Problem(f"num_free_blocks is {n!r}; it must be an int (how many blocks are free)")
     return n
 
 
@@ -146,22 +139,20 @@ def _drain(q, limit=10_000):
     return out
 
 
-@_checked
 def _lru_order(FreeBlockQueue):
     q = FreeBlockQueue()
     for b in (3, 1, 2):
         q.append(b)
     if _size(q) != 3:
-        raise _Problem(f"after appending 3 blocks num_free_blocks is {_size(q)}")
+        raise Problem(f"after appending 3 blocks num_free_blocks is {_size(q)}")
     got = _drain(q)
     if got == [2, 1, 3]:
-        raise _Problem("blocks appended 3, 1, 2 came out 2, 1, 3: you took the most recently "
-                       "freed block; take the LEAST recently used one (the head)")
+        raise Problem("blocks appended 3, 1, 2 came out 2, 1, 3: you took the most recently "
+                      "freed block; take the LEAST recently used one (the head)")
     if got != [3, 1, 2]:
-        raise _Problem(f"blocks appended 3, 1, 2 came out {got}, expected 3, 1, 2 (oldest first)")
+        raise Problem(f"blocks appended 3, 1, 2 came out {got}, expected 3, 1, 2 (oldest first)")
 
 
-@_checked
 def _revival_removes_from_the_middle(FreeBlockQueue):
     q = FreeBlockQueue()
     for b in range(5):
@@ -170,15 +161,14 @@ def _revival_removes_from_the_middle(FreeBlockQueue):
     size = _size(q)
     got = _drain(q)
     if 2 in got:
-        raise _Problem(f"block 2 was still handed out after remove(2) (order {got}): a block "
-                       "revived by a hit is in use and must leave the free queue")
+        raise Problem(f"block 2 was still handed out after remove(2) (order {got}): a block "
+                      "revived by a hit is in use and must leave the free queue")
     if size != 4:
-        raise _Problem(f"after remove(2) on 5 blocks num_free_blocks is {size}, expected 4")
+        raise Problem(f"after remove(2) on 5 blocks num_free_blocks is {size}, expected 4")
     if got != [0, 1, 3, 4]:
-        raise _Problem(f"after remove(2) the blocks came out {got}, expected [0, 1, 3, 4]")
+        raise Problem(f"after remove(2) the blocks came out {got}, expected [0, 1, 3, 4]")
 
 
-@_checked
 def _freed_again_goes_to_the_tail(FreeBlockQueue):
     q = FreeBlockQueue()
     for b in (0, 1, 2):
@@ -187,11 +177,10 @@ def _freed_again_goes_to_the_tail(FreeBlockQueue):
     q.append(0)                                     # used, then freed again: most recent
     got = _drain(q)
     if got != [1, 2, 0]:
-        raise _Problem(f"append 0,1,2; remove(0); append(0) gave {got}, expected [1, 2, 0]: a "
-                       "block freed again is the most recently used")
+        raise Problem(f"append 0,1,2; remove(0); append(0) gave {got}, expected [1, 2, 0]: a "
+                      "block freed again is the most recently used")
 
 
-@_checked
 def _errors(FreeBlockQueue):
     q = FreeBlockQueue()
     try:
@@ -199,25 +188,24 @@ def _errors(FreeBlockQueue):
     except ValueError:
         pass
     except Exception as e:
-        raise _Problem(f"popleft() on an empty queue raised {type(e).__name__}; raise ValueError "
-                       "(out of KV blocks)")
+        raise Problem(f"popleft() on an empty queue raised {type(e).__name__}; raise ValueError "
+                      "(out of KV blocks)")
     else:
-        raise _Problem("popleft() on an empty queue returned instead of raising ValueError")
+        raise Problem("popleft() on an empty queue returned instead of raising ValueError")
     q.append(1)
     try:
         q.remove(7)
     except ValueError:
         pass
     except Exception as e:
-        raise _Problem(f"remove(7) of a block not in the queue raised {type(e).__name__}; raise "
-                       "ValueError")
+        raise Problem(f"remove(7) of a block not in the queue raised {type(e).__name__}; raise "
+                      "ValueError")
     else:
-        raise _Problem("remove(7) of a block not in the queue did not raise ValueError")
+        raise Problem("remove(7) of a block not in the queue did not raise ValueError")
     if _size(q) != 1:
-        raise _Problem("a failed remove changed num_free_blocks")
+        raise Problem("a failed remove changed num_free_blocks")
 
 
-@_checked
 def _random_operations_match_an_lru_queue(FreeBlockQueue):
     rng = random.Random(11)
     q, ref, log = FreeBlockQueue(), [], []
@@ -239,11 +227,11 @@ def _random_operations_match_an_lru_queue(FreeBlockQueue):
             got, want = q.popleft(), ref.pop(0)
             log.append(f"popleft()")
             if got != want:
-                raise _Problem(f"after {len(log)} random operations (last ones: "
-                               f"{', '.join(log[-4:])}) popleft returned {got}, expected {want}")
+                raise Problem(f"after {len(log)} random operations (last ones: "
+                              f"{', '.join(log[-4:])}) popleft returned {got}, expected {want}")
         if _size(q) != len(ref):
-            raise _Problem(f"after {', '.join(log[-3:])}: num_free_blocks is {_size(q)}, "
-                           f"expected {len(ref)}")
+            raise Problem(f"after {', '.join(log[-3:])}: num_free_blocks is {_size(q)}, "
+                          f"expected {len(ref)}")
 
 
 FREE_QUEUE = Exercise("ch06.free_block_queue", "FreeBlockQueue", (
@@ -278,10 +266,9 @@ def _cache_of(*seqs, bs):
 def _expect(fn, prompt, cache, bs, want, what, hint=""):
     got = fn(list(prompt), set(cache), bs)
     if got != want:
-        raise _Problem(f"{what}: you returned {got}, expected {want}{hint}")
+        raise Problem(f"{what}: you returned {got}, expected {want}{hint}")
 
 
-@_checked
 def _full_blocks_only(fn):
     a = list(range(100, 140))
     cache = _cache_of(a, bs=16)
@@ -290,39 +277,36 @@ def _full_blocks_only(fn):
             "of 16", "; only FULL blocks are reused and 5 tokens do not fill one")
     got = fn(a[:20] + list(range(300, 320)), set(cache), 16)
     if got == 20:
-        raise _Problem("a prompt sharing 20 tokens: you returned 20; only the first FULL block "
-                       "(16 tokens) can be reused")
+        raise Problem("a prompt sharing 20 tokens: you returned 20; only the first FULL block "
+                      "(16 tokens) can be reused")
     if got != 16:
-        raise _Problem(f"a prompt sharing 20 tokens with blocks of 16: you returned {got}, "
-                       "expected 16")
+        raise Problem(f"a prompt sharing 20 tokens with blocks of 16: you returned {got}, "
+                      "expected 16")
 
 
-@_checked
 def _last_token_always_computed(fn):
     a = list(range(32))
     cache = _cache_of(a, bs=16)
     got = fn(list(a), set(cache), 16)
     if got == 32:
-        raise _Problem("the same 32-token prompt again (2 full cached blocks): you returned 32, "
-                       "but the last token must be computed to get its logits; expected 16")
+        raise Problem("the same 32-token prompt again (2 full cached blocks): you returned 32, "
+                      "but the last token must be computed to get its logits; expected 16")
     if got != 16:
-        raise _Problem(f"the same 32-token prompt again: you returned {got}, expected 16")
+        raise Problem(f"the same 32-token prompt again: you returned {got}, expected 16")
     _expect(fn, a[:17], cache, 16, 16, "a 17-token prefix of a cached sequence")
     _expect(fn, a[:16], cache, 16, 0, "a 16-token prompt whose one block is cached")
     _expect(fn, a[:1], cache, 16, 0, "a 1-token prompt")
 
 
-@_checked
 def _stops_at_the_first_miss(fn):
     a = list(range(48))
     cache = _cache_of(a, bs=16) - {tuple(a[:16])}    # block 0's prefix evicted, deeper ones not
     got = fn(a + [99], set(cache), 16)
     if got != 0:
-        raise _Problem(f"block 0's prefix is not cached but blocks 1 and 2's are: you returned "
-                       f"{got}, expected 0; a hit is a prefix, it stops at the first missing block")
+        raise Problem(f"block 0's prefix is not cached but blocks 1 and 2's are: you returned "
+                      f"{got}, expected 0; a hit is a prefix, it stops at the first missing block")
 
 
-@_checked
 def _block_size_one(fn):
     a = [5, 6, 7, 8, 9]
     cache = _cache_of(a, bs=1)
@@ -331,7 +315,6 @@ def _block_size_one(fn):
     _expect(fn, a[:3] + [0, 0], cache, 1, 3, "block_size 1, a prompt sharing 3 tokens")
 
 
-@_checked
 def _matches_reference_on_random_cases(fn):
     rng = random.Random(7)
     for trial in range(40):
@@ -343,8 +326,8 @@ def _matches_reference_on_random_cases(fn):
         want = reference_num_cached_tokens(prompt, cache, bs)
         got = fn(list(prompt), set(cache), bs)
         if got != want:
-            raise _Problem(f"prompt {prompt}, block_size {bs}, cached prefixes of {base} and "
-                           f"{others}: you returned {got}, expected {want}")
+            raise Problem(f"prompt {prompt}, block_size {bs}, cached prefixes of {base} and "
+                          f"{others}: you returned {got}, expected {want}")
 
 
 NUM_CACHED = Exercise("ch06.num_cached_tokens", "num_cached_tokens", (

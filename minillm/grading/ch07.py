@@ -20,9 +20,7 @@ import torch
 from ..spec import theory
 from ..spec.ngram import ngram_propose as _ref_ngram
 from ..spec.rejection import residual as _ref_residual
-from .core import Check, Exercise
-from .core import Problem as _Problem
-from .core import checked as _checked
+from .core import Check, Exercise, Problem
 
 
 def _fmt(t) -> str:
@@ -34,12 +32,11 @@ def _fmt(t) -> str:
 def _call_residual(fn, p, q) -> torch.Tensor:
     out = fn(p.clone(), q.clone())
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(p.shape):
-        raise _Problem(f"for p={_fmt(p)}, q={_fmt(q)} you returned "
-                       f"{getattr(out, 'shape', type(out).__name__)}; return a tensor shaped like p")
+        raise Problem(f"for p={_fmt(p)}, q={_fmt(q)} you returned "
+                      f"{getattr(out, 'shape', type(out).__name__)}; return a tensor shaped like p")
     return out.double()
 
 
-@_checked
 def _residual_sums_to_one(fn):
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     q = torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)
@@ -47,11 +44,10 @@ def _residual_sums_to_one(fn):
     if abs(float(r.sum()) - 1) > 1e-6:
         hint = (" -- that is max(0, p - q) without renormalising: divide by its sum"
                 if torch.allclose(r, (p - q).clamp_min(0), atol=1e-6) else "")
-        raise _Problem(f"for p={_fmt(p)}, q={_fmt(q)} your residual {_fmt(r)} sums to "
-                       f"{float(r.sum()):.3f}, not 1{hint}")
+        raise Problem(f"for p={_fmt(p)}, q={_fmt(q)} your residual {_fmt(r)} sums to "
+                      f"{float(r.sum()):.3f}, not 1{hint}")
 
 
-@_checked
 def _residual_values(fn):
     g = torch.Generator().manual_seed(7)
     for _ in range(5):
@@ -62,38 +58,35 @@ def _residual_values(fn):
             hint = ""
             if torch.allclose(r, _ref_residual(q, p), atol=1e-6):
                 hint = " -- that is max(0, q - p): the residual is where the TARGET wants more"
-            raise _Problem(f"for p={_fmt(p)}, q={_fmt(q)} you returned {_fmt(r)}, expected "
-                           f"{_fmt(want)}{hint}")
+            raise Problem(f"for p={_fmt(p)}, q={_fmt(q)} you returned {_fmt(r)}, expected "
+                          f"{_fmt(want)}{hint}")
 
 
-@_checked
 def _residual_zero_where_draft_covers(fn):
     p = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
     q = torch.tensor([0.4, 0.2, 0.4], dtype=torch.float64)
     r = _call_residual(fn, p, q)
     if float(r[0]) > 1e-9 or float(r[2]) > 1e-9:
-        raise _Problem(f"for p={_fmt(p)}, q={_fmt(q)} tokens 0 and 2 have q >= p, so the residual "
-                       f"must give them 0; you returned {_fmt(r)}")
+        raise Problem(f"for p={_fmt(p)}, q={_fmt(q)} tokens 0 and 2 have q >= p, so the residual "
+                      f"must give them 0; you returned {_fmt(r)}")
 
 
-@_checked
 def _residual_one_hot_draft(fn):
     p = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
     q = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
     r = _call_residual(fn, p, q)
     want = torch.tensor([0.4, 0.0, 0.6], dtype=torch.float64)
     if not torch.allclose(r, want, atol=1e-6):
-        raise _Problem(f"a one-hot draft on token 1 with p={_fmt(p)}: the residual is p without "
-                       f"token 1, renormalised, {_fmt(want)}; you returned {_fmt(r)}")
+        raise Problem(f"a one-hot draft on token 1 with p={_fmt(p)}: the residual is p without "
+                      f"token 1, renormalised, {_fmt(want)}; you returned {_fmt(r)}")
 
 
-@_checked
 def _residual_equal_distributions(fn):
     p = torch.tensor([0.25, 0.25, 0.5], dtype=torch.float64)
     r = _call_residual(fn, p, p.clone())
     if torch.isnan(r).any() or abs(float(r.sum()) - 1) > 1e-6 or (r < 0).any():
-        raise _Problem(f"for p == q = {_fmt(p)} (a rejection can never happen) you returned "
-                       f"{_fmt(r)}; return any valid distribution (e.g. p), not 0/0 = nan")
+        raise Problem(f"for p == q = {_fmt(p)} (a rejection can never happen) you returned "
+                      f"{_fmt(r)}; return any valid distribution (e.g. p), not 0/0 = nan")
 
 
 RESIDUAL = Exercise("ch07.residual", "residual_distribution", (
@@ -116,14 +109,14 @@ def _call_rs(fn, p, drafts, q, g) -> list:
     if isinstance(out, torch.Tensor):
         out = out.tolist()
     if not isinstance(out, (list, tuple)) or not all(isinstance(t, int) for t in out):
-        raise _Problem(f"you returned {str(out)[:60]}; return a list of int token ids")
+        raise Problem(f"you returned {str(out)[:60]}; return a list of int token ids")
     k = len(drafts)
     if not 1 <= len(out) <= k + 1:
-        raise _Problem(f"with k={k} drafts you returned {len(out)} tokens {out}; one "
-                       f"verification emits between 1 and k + 1 = {k + 1}")
+        raise Problem(f"with k={k} drafts you returned {len(out)} tokens {out}; one "
+                      f"verification emits between 1 and k + 1 = {k + 1}")
     if list(out[:-1]) != list(drafts[:len(out) - 1]):
-        raise _Problem(f"drafts {drafts}: you returned {out}; every token before the last must be "
-                       "an accepted draft, in order")
+        raise Problem(f"drafts {drafts}: you returned {out}; every token before the last must be "
+                      "an accepted draft, in order")
     return list(out)
 
 
@@ -158,7 +151,6 @@ def _first_token_test(fn, p, q, n: int, seed: int, one_hot_draft=None) -> tuple:
     return pval, freqs
 
 
-@_checked
 def _rs_structure(fn):
     for seed in range(20):
         p, q = _case(seed, V=5, k=3)
@@ -167,18 +159,16 @@ def _rs_structure(fn):
         _call_rs(fn, p, drafts, q, g)
 
 
-@_checked
 def _rs_bonus(fn):
     p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]], dtype=torch.float64)
     out = _call_rs(fn, p, [1, 2], p[:2].clone(), torch.Generator().manual_seed(0))
     if out != [1, 2, 0]:
         hint = (" -- the bonus token is missing: when all k drafts are accepted, draw one more "
                 "from target_probs[k]" if out == [1, 2] else "")
-        raise _Problem(f"p = q, certain drafts [1, 2], bonus distribution certain on token 0: "
-                       f"expected [1, 2, 0], you returned {out}{hint}")
+        raise Problem(f"p = q, certain drafts [1, 2], bonus distribution certain on token 0: "
+                      f"expected [1, 2, 0], you returned {out}{hint}")
 
 
-@_checked
 def _rs_acceptance_rate(fn):
     """One draft with p(d) = 0.2, q(d) = 0.8: accepted 25% of the time."""
     p = torch.tensor([[0.2, 0.8], [0.5, 0.5]], dtype=torch.float64)
@@ -189,33 +179,30 @@ def _rs_acceptance_rate(fn):
     if abs(acc - 0.25) > 0.05:
         hint = (" -- that is min(1, q/p): the ratio is p(d) / q(d), target over draft"
                 if acc > 0.9 else "")
-        raise _Problem(f"a draft token with p=0.2 and q=0.8 must be accepted with probability "
-                       f"min(1, p/q) = 0.25; yours was accepted {acc:.1%} of {n} times{hint}")
+        raise Problem(f"a draft token with p=0.2 and q=0.8 must be accepted with probability "
+                      f"min(1, p/q) = 0.25; yours was accepted {acc:.1%} of {n} times{hint}")
 
 
-@_checked
 def _rs_distribution(fn):
     for seed in (3,):
         p, q = _case(seed)
         pval, freqs = _first_token_test(fn, p, q, 1500, seed)
         if pval < 1e-4:
-            raise _Problem(f"p[0]={_fmt(p[0])}, q={_fmt(q[0])} (q is 0 on a token where p > 0): "
-                           f"your first emitted token has frequencies {_fmt(freqs)} over 1500 "
-                           f"runs (chi-square p-value {pval:.1e}); they must follow p[0]. Check the "
-                           "residual: max(0, p - q), renormalised, sampled at the first rejection")
+            raise Problem(f"p[0]={_fmt(p[0])}, q={_fmt(q[0])} (q is 0 on a token where p > 0): "
+                          f"your first emitted token has frequencies {_fmt(freqs)} over 1500 "
+                          f"runs (chi-square p-value {pval:.1e}); they must follow p[0]. Check the "
+                          "residual: max(0, p - q), renormalised, sampled at the first rejection")
 
 
-@_checked
 def _rs_one_hot(fn):
     p = torch.tensor([[0.3, 0.5, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)
     pval, freqs = _first_token_test(fn, p, None, 1500, 9, one_hot_draft=[1])
     if pval < 1e-4:
-        raise _Problem(f"draft_probs=None (a one-hot draft of token 1), p[0]={_fmt(p[0])}: your "
-                       f"first tokens have frequencies {_fmt(freqs)}; they must follow p[0] "
-                       "(accept with probability p(1), else sample p without token 1)")
+        raise Problem(f"draft_probs=None (a one-hot draft of token 1), p[0]={_fmt(p[0])}: your "
+                      f"first tokens have frequencies {_fmt(freqs)}; they must follow p[0] "
+                      "(accept with probability p(1), else sample p without token 1)")
 
 
-@_checked
 def _rs_second_position(fn):
     """Given the first draft is accepted, the second emitted token follows p[1]."""
     p, q = _case(5, V=3, k=2, zeros=False)
@@ -232,9 +219,9 @@ def _rs_second_position(fn):
     stat, pval = theory.chi_square(counts, {(x,): float(p[1, x]) for x in range(3)})
     if n < 100 or pval < 1e-4:
         freqs = [counts.get((x,), 0) / max(n, 1) for x in range(3)]
-        raise _Problem(f"after an accepted first draft, the second token must follow p[1]="
-                       f"{_fmt(p[1])}; yours had frequencies {_fmt(freqs)} (chi-square p "
-                       f"{pval:.1e}); position i uses target_probs[i] and draft_probs[i]")
+        raise Problem(f"after an accepted first draft, the second token must follow p[1]="
+                      f"{_fmt(p[1])}; yours had frequencies {_fmt(freqs)} (chi-square p "
+                      f"{pval:.1e}); position i uses target_probs[i] and draft_probs[i]")
 
 
 REJECTION = Exercise("ch07.rejection_sample", "rejection_sample", (
@@ -259,35 +246,31 @@ def _ng(fn, ids, k, lo, hi):
     if isinstance(out, torch.Tensor):
         out = out.tolist()
     if not isinstance(out, (list, tuple)):
-        raise _Problem(f"you returned a {type(out).__name__}; return a list of token ids")
+        raise Problem(f"you returned a {type(out).__name__}; return a list of token ids")
     return list(out)
 
 
 def _ng_expect(fn, ids, k, lo, hi, why: str):
     got, want = _ng(fn, ids, k, lo, hi), _ref_ngram(ids, k, lo, hi)
     if got != want:
-        raise _Problem(f"token_ids={list(ids)}, k={k}, prompt_lookup_min={lo}, max={hi}: you "
-                       f"proposed {got}, expected {want} ({why})")
+        raise Problem(f"token_ids={list(ids)}, k={k}, prompt_lookup_min={lo}, max={hi}: you "
+                      f"proposed {got}, expected {want} ({why})")
 
 
-@_checked
 def _ng_basic(fn):
     _ng_expect(fn, [4, 5, 6, 7, 8, 1, 5, 6], 3, 1, 2, "[5, 6] occurred at index 1, followed by 7, 8, 1")
 
 
-@_checked
 def _ng_longest(fn):
     _ng_expect(fn, [1, 2, 3, 8, 8, 5, 2, 3, 6, 1, 2, 3], 2, 1, 3,
                "the longest n that matches wins: [1, 2, 3] at index 0 beats the later [2, 3]")
 
 
-@_checked
 def _ng_latest(fn):
     _ng_expect(fn, [2, 3, 9, 9, 2, 3, 7, 7, 2, 3], 2, 2, 2,
                "of several earlier occurrences, take the latest")
 
 
-@_checked
 def _ng_adjacent(fn):
     _ng_expect(fn, [7, 7, 7], 4, 1, 2,
                "a match may end right before the suffix and overlap it: [7, 7] at index 0, "
@@ -296,14 +279,12 @@ def _ng_adjacent(fn):
                "the occurrence right before the suffix counts ([1, 2] at index 0)")
 
 
-@_checked
 def _ng_edges(fn):
     _ng_expect(fn, [1, 2, 3, 4], 3, 1, 3, "nothing repeats: propose []")
     _ng_expect(fn, [5], 3, 1, 3, "a single token has nothing earlier to match")
     _ng_expect(fn, [1, 2, 1, 2, 1, 2], 10, 2, 2, "stop at the end of the sequence")
 
 
-@_checked
 def _ng_random(fn):
     rng = random.Random(0)
     for _ in range(200):
@@ -334,7 +315,7 @@ def _sp(fn, a, k, c):
     try:
         return float(out)
     except (TypeError, ValueError):
-        raise _Problem(f"expected_speedup({a}, {k}, {c}) returned {out!r}; return a number")
+        raise Problem(f"expected_speedup({a}, {k}, {c}) returned {out!r}; return a number")
 
 
 def _sp_expect(fn, a, k, c, why=""):
@@ -347,40 +328,35 @@ def _sp_expect(fn, a, k, c, why=""):
             hints.append("the cost is k c + 1: the target's verification pass counts too")
         if math.isclose(got, theory.expected_tokens(a, k), rel_tol=1e-6) and c:
             hints.append("divide by the cost k c + 1")
-        raise _Problem(f"expected_speedup(alpha={a}, k={k}, c={c}) = {got:.4f}, expected "
-                       f"{want:.4f}{' (' + why + ')' if why else ''}"
-                       f"{' -- ' + '; '.join(hints) if hints else ''}")
+        raise Problem(f"expected_speedup(alpha={a}, k={k}, c={c}) = {got:.4f}, expected "
+                      f"{want:.4f}{' (' + why + ')' if why else ''}"
+                      f"{' -- ' + '; '.join(hints) if hints else ''}")
 
 
-@_checked
 def _sp_free_draft(fn):
     _sp_expect(fn, 0.5, 4, 0.0, "a free draft: 1 + a + a^2 + a^3 + a^4 tokens per pass")
 
 
-@_checked
 def _sp_with_cost(fn):
     _sp_expect(fn, 0.5, 4, 0.05)
     _sp_expect(fn, 0.8, 3, 0.2)
 
 
-@_checked
 def _sp_perfect(fn):
     _sp_expect(fn, 1.0, 4, 0.1, "alpha = 1: every draft accepted, k + 1 tokens; mind 0/0")
 
 
-@_checked
 def _sp_useless(fn):
     _sp_expect(fn, 0.0, 4, 0.1, "alpha = 0: one token per pass and the draft's cost on top")
 
 
-@_checked
 def _sp_break_even(fn):
     for k, c in ((4, 0.05), (4, 0.2), (2, 0.5)):
         a = theory.break_even_alpha(k, c)
         got = _sp(fn, a, k, c)
         if abs(got - 1) > 1e-4:
-            raise _Problem(f"at alpha={a:.3f}, k={k}, c={c} speculation breaks even (speedup 1); "
-                           f"you returned {got:.4f}")
+            raise Problem(f"at alpha={a:.3f}, k={k}, c={c} speculation breaks even (speedup 1); "
+                          f"you returned {got:.4f}")
 
 
 SPEEDUP = Exercise("ch07.expected_speedup", "expected_speedup", (

@@ -23,9 +23,7 @@ import math
 from numbers import Integral, Real
 from typing import Optional
 
-from .core import Check, Exercise, expect_value_error
-from .core import Problem as _Problem
-from .core import checked as _checked
+from .core import Check, Exercise, Problem, expect_value_error
 
 
 def _is_int(x) -> bool:
@@ -58,18 +56,17 @@ def _req(ttft, e2e, n):
 
 
 def _goodput_cases(cases, hint=None):
-    @_checked
     def check(fn):
         for requests, slos, duration in cases:
             what = f"requests={requests}, slos={slos}, duration={duration}"
             got = fn([dict(r) for r in requests], dict(slos), duration)
             if not _is_num(got):
-                raise _Problem(f"{what}: you returned {got!r}; return a number (requests/s)")
+                raise Problem(f"{what}: you returned {got!r}; return a number (requests/s)")
             want = reference_goodput(requests, slos, duration)
             if not _close(float(got), want):
                 why = _goodput_diagnosis(float(got), requests, slos, duration)
-                raise _Problem(f"{what}: you returned {got:.6g}, expected {want:.6g}"
-                               + (f"; {why}" if why else (f"; {hint}" if hint else "")))
+                raise Problem(f"{what}: you returned {got:.6g}, expected {want:.6g}"
+                              + (f"; {why}" if why else (f"; {hint}" if hint else "")))
     return check
 
 
@@ -128,7 +125,6 @@ _EDGE = [([_req(0.5, 1.5, 11), _req(0.25, 2.0, 8)], {"ttft": 0.5, "tpot": 0.25},
 _NO_SLO = [(_R1, {}, 2.0)]
 
 
-@_checked
 def _goodput_errors(fn):
     for requests, slos, duration, why in (
             (_R1, {"ttft": 1.0}, 0.0, "duration 0"),
@@ -165,18 +161,17 @@ def reference_max_rate(max_num_seqs, prefill_time, step_time, output_len) -> flo
 
 
 def _rate_cases(cases):
-    @_checked
     def check(fn):
         for args in cases:
             what = ("max_num_seqs={}, prefill_time={}, step_time={}, output_len={}"
                     .format(*args))
             got = fn(*args)
             if not _is_num(got):
-                raise _Problem(f"{what}: you returned {got!r}; return requests per second")
+                raise Problem(f"{what}: you returned {got!r}; return requests per second")
             want = reference_max_rate(*args)
             if not _close(float(got), want, 1e-6):
-                raise _Problem(f"{what}: you returned {got:.6g}, expected {want:.6g}; "
-                               + _rate_diagnosis(float(got), *args))
+                raise Problem(f"{what}: you returned {got:.6g}, expected {want:.6g}; "
+                              + _rate_diagnosis(float(got), *args))
     return check
 
 
@@ -201,7 +196,6 @@ _RATE_BASIC = [(16, 0.2, 0.05, 41), (1, 0.5, 0.1, 11), (64, 0.05, 0.02, 201)]
 _RATE_ONE = [(8, 0.3, 0.05, 1), (4, 1.0, 0.5, 1)]
 
 
-@_checked
 def _rate_errors(fn):
     for args, why in (((0, 0.2, 0.05, 10), "max_num_seqs 0"),
                       ((8, 0.2, 0.05, 0), "output_len 0"),
@@ -238,18 +232,17 @@ def reference_max_waiting(ttft_slo, max_num_seqs, prefill_time, step_time, outpu
 
 
 def _waiting_cases(cases):
-    @_checked
     def check(fn):
         for args in cases:
             what = ("ttft_slo={}, max_num_seqs={}, prefill_time={}, step_time={}, output_len={}"
                     .format(*args))
             got = fn(*args)
             if not _is_int(got):
-                raise _Problem(f"{what}: you returned {got!r}; return an int (requests)")
+                raise Problem(f"{what}: you returned {got!r}; return an int (requests)")
             want = reference_max_waiting(*args)
             if got != want:
-                raise _Problem(f"{what}: you returned {got}, expected {want}; "
-                               + _waiting_diagnosis(got, *args))
+                raise Problem(f"{what}: you returned {got}, expected {want}; "
+                              + _waiting_diagnosis(got, *args))
     return check
 
 
@@ -281,7 +274,6 @@ _WAIT_BASIC = [(2.0, 16, 0.2, 0.05, 41), (10.0, 8, 0.5, 0.1, 21), (1.0, 64, 0.05
 _WAIT_TIGHT = [(0.3, 8, 0.25, 0.05, 41), (0.1, 4, 0.2, 0.05, 11)]
 
 
-@_checked
 def _waiting_errors(fn):
     for args, why in (((0.0, 8, 0.2, 0.05, 10), "ttft_slo 0"),
                       ((1.0, 0, 0.2, 0.05, 10), "max_num_seqs 0"),

@@ -8,7 +8,7 @@ the others), and a failed check quotes the drill's feedback.
 """
 from __future__ import annotations
 
-from .core import Check, Exercise
+from .core import Check, Exercise, Problem
 
 ROUND_SEED = "round-1"
 NUMBER_IDS = ("num.kv-per-token.gqa", "num.max-concurrency", "num.decode-step-time",
@@ -46,13 +46,14 @@ def _grade_one(qid: str):
     def check(answers_fn):
         answers = answers_fn()
         if not isinstance(answers, dict):
-            return False, (f"return a dict {{question id: answer}}, e.g. {{'{qid}': '...'}}; "
-                           f"you returned a {type(answers).__name__}")
+            raise Problem(f"return a dict {{question id: answer}}, e.g. {{'{qid}': '...'}}; "
+                          f"you returned a {type(answers).__name__}")
         if qid not in answers:
-            return False, f"no answer for {qid!r} (your keys: {sorted(answers)[:6]})"
+            raise Problem(f"no answer for {qid!r} (your keys: {sorted(answers)[:6]})")
         g = _instance(qid).grade(str(answers[qid]))
         first = g.feedback.splitlines()[0]
-        return g.correct, ("" if g.correct else f"you answered {answers[qid]!r}. {first}")
+        if not g.correct:
+            raise Problem(f"you answered {answers[qid]!r}. {first}")
     check.__name__ = f"check_{qid}"
     return check
 

@@ -1,10 +1,13 @@
 """The grading framework: a Check, an Exercise (a group of checks), grade() and report().
 
-A check is a name and a function that takes the learner's function and returns (ok, message):
+A check is a name and a function that takes the learner's function, tries it, and raises
+Problem("what went wrong, and the fix") at the first broken expectation; returning means it
+passed. It reads like a test, and a helper deep inside can end the check with its message:
 
     def _keeps_top_token(top_p_filter):
-        ...
-        return False, "for p=0.1 on [...] you kept no token; the most likely one always stays"
+        kept = ...
+        if not kept:
+            raise Problem("for p=0.1 on [...] you kept no token; the most likely one always stays")
 
 grade() runs every check of an exercise under one time limit (see timelimit.py) and turns
 exceptions, time-outs and crashes into failed checks with a message; report() prints
@@ -16,7 +19,8 @@ exceptions, time-outs and crashes into failed checks with a message; report() pr
 
 The last line is a machine-readable grade line for self-study tools. The instructor's batch
 grader does not read it: in a submission it runs, grade() also records the learner's answers
-(transcript.py) and the batch computes every grade again from that record (batch.py).
+(transcript.py) and the batch computes every grade again from that record (regrade.py), with
+the same _run_check on a stand-in that answers from the record.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ GRADE_LINE_RE = re.compile(r"^\[minillm-grade\] (?P<exercise>[A-Za-z0-9_.\-]+) "
 @dataclass(frozen=True)
 class Check:
     name: str                                        # what is checked, in words
-    fn: Callable[[Callable], tuple[bool, str]]       # fn(learner_function) -> (ok, message)
+    fn: Callable[[Callable], None]                   # fn(learner): raises Problem, or passes
 
 
 @dataclass(frozen=True)
@@ -109,20 +113,8 @@ class Exercise:
 
 
 class Problem(Exception):
-    """A failed expectation inside a check; its text becomes the check's message."""
-
-
-def checked(fn: Callable) -> Callable:
-    """Write a check as plain code that raises Problem("what went wrong") on the first broken
-    expectation; the decorated check returns (ok, message) as Check expects."""
-    def check(learner):
-        try:
-            fn(learner)
-        except Problem as p:
-            return False, str(p)
-        return True, ""
-    check.__name__ = getattr(fn, "__name__", "check")
-    return check
+    """A failed expectation inside a check; its text becomes the check's message (one message
+    per check: what was asked, what came back, what was expected, and the fix)."""
 
 
 def expect_value_error(call: Callable, what: str, fix: str = "raise ValueError") -> None:
@@ -140,14 +132,21 @@ def expect_value_error(call: Callable, what: str, fix: str = "raise ValueError")
 
 
 def _run_check(check: Check, learner: Callable) -> tuple[bool, str]:
+    """(ok, message) of one check: Problem fails it with its text, the learner's exceptions fail
+    it with theirs, a return passes it."""
     try:
-        ok, message = check.fn(learner)
+        returned = check.fn(learner)
+    except Problem as problem:
+        return False, str(problem)
     except NotImplementedError:
         return False, "not written yet: your function raises NotImplementedError"
     except (Exception, SystemExit) as exc:
         name, detail, where = describe_exception(exc)
         return False, f"your code raised {name}: {detail}" + (f" ({where})" if where else "")
-    return bool(ok), str(message or "")
+    if returned is not None:                 # a grader bug, e.g. an old-style `return ok, msg`
+        return False, (f"grader error: the check returned {type(returned).__name__}; a check "
+                       "raises core.Problem(message) to fail and returns nothing to pass")
+    return True, ""
 
 
 def grade(exercise: Exercise, learner: Callable, time_limit: Optional[float] = None,
