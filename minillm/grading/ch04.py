@@ -20,6 +20,7 @@ from typing import Optional
 from ..cache.blocks import BlockManager
 from ..engine.request import Request
 from ..engine.scheduler import Scheduler
+from ..generate import stop_reason
 from ..sampling import SamplingParams
 from .core import Check, Exercise, Problem
 
@@ -334,8 +335,9 @@ def _occupancy_reference(output_lens, max_num_seqs: int, scheduling: str) -> dic
             req.num_computed_tokens += k
             if req.num_computed_tokens == req.num_tokens:
                 req.output_token_ids.append(0)
-                if req.num_output_tokens == req.params.max_tokens:
-                    sched.finish(req, "length")
+                stop = stop_reason(req.params, req.output_token_ids)     # the engine's stop rule
+                if stop is not None:
+                    sched.finish(req, stop.reason)
         steps += 1
         if steps > 10 * (sum(output_lens) + n + 1):
             raise RuntimeError("the reference scheduler did not finish; this is a grader bug")
