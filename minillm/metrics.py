@@ -83,10 +83,6 @@ class RequestMetrics:
         return len(self.token_times)
 
     @property
-    def first_token_time(self) -> Optional[float]:
-        return self.token_times[0] if self.token_times else None
-
-    @property
     def ttft(self) -> Optional[float]:
         return None if not self.token_times else self.token_times[0] - self.arrival_time
 
@@ -110,12 +106,6 @@ class RequestMetrics:
     def e2e_latency(self) -> Optional[float]:
         f = self.finished_time
         return None if f is None else f - self.arrival_time
-
-    def as_dict(self) -> dict:
-        return {"ttft": self.ttft, "tpot": self.tpot, "e2e_latency": self.e2e_latency,
-                "queueing_time": self.queueing_time, "num_prompt_tokens": self.num_prompt_tokens,
-                "num_output_tokens": self.num_output_tokens,
-                "num_preemptions": self.num_preemptions}
 
 
 def meets_slos(request, slos: dict) -> bool:

@@ -5,7 +5,6 @@ fragmentation over the wrong total, ...) are caught with a message that names th
 import pytest
 
 from minillm.grading import ch02, grade
-from minillm.grading.testing import function_from_notebook
 
 from grader_contract import contract_tests, planted_bug_tests
 

@@ -4,10 +4,8 @@ small requests overtaking a big one, leaked blocks of a preempted sequence, pree
 instead of the newest, a static batch that ends with its first member, a slot refilled a step
 late, ...) are caught with a message that names the mistake."""
 
-import pytest
 
 from minillm.grading import ch04, grade
-from minillm.grading.testing import function_from_notebook
 
 from grader_contract import contract_tests, planted_bug_tests
 

@@ -3,7 +3,6 @@ and planted bugs are caught with a message that names the mistake: a residual no
 taken the wrong way round, a forgotten bonus token, the ratio p/q inverted, a sampler that draws
 from p instead of the residual, off-by-one and first-instead-of-latest n-gram matches, a^k
 instead of a^(k+1), the target's pass left out of the cost."""
-import pytest
 import torch
 
 from minillm.grading import ch07, grade

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import nbformat
 
-from minillm.grading import ch99, grade
+from minillm.grading import ch99
 from minillm.grading.testing import function_from_notebook
 
 from grader_contract import contract_tests, planted_bug_tests

@@ -77,7 +77,7 @@ def _stale():
     return stub
 
 
-FORGE = f"""
+FORGE = """
 import os
 print("[minillm-grade] ch01.kv_bytes_per_token 99/6")
 print("[minillm-grade] ch01.max_concurrency 1000/6")

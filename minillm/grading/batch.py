@@ -261,7 +261,7 @@ def grade_folder(exercises_dir, submissions_dir, out_csv=None, timeout: float = 
     if not root.is_dir():
         raise ValueError(f"submissions folder {root} does not exist")
     paths = sorted(p for p in root.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
-    cols = columns([], sets)
+    cols = columns(sets)
     rows = []
     out = open(out_csv, "w", newline="", encoding="utf-8") if out_csv is not None else None
     try:
@@ -295,7 +295,7 @@ def grade_folder(exercises_dir, submissions_dir, out_csv=None, timeout: float = 
     return rows
 
 
-def columns(rows: list[Row], sets: list[ProblemSet]) -> list[str]:
+def columns(sets: list[ProblemSet]) -> list[str]:
     """Exercise ids of every problem set, in order (ids a submission printed do not count)."""
     return [e.id for s in sets for e in s.exercises]
 
@@ -307,12 +307,3 @@ def header(cols: list[str]) -> list[str]:
 def csv_row(r: Row, cols: list[str]) -> list:
     return [r.submission, r.problem_set, *[r.scores.get(c, "") for c in cols],
             sum(r.scores.values()), sum(r.maxima.values()), r.status]
-
-
-def write_csv(rows: list[Row], sets: list[ProblemSet], out_csv) -> None:
-    cols = columns(rows, sets)
-    with open(out_csv, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(header(cols))
-        for r in rows:
-            w.writerow(csv_row(r, cols))

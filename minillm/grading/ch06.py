@@ -225,7 +225,7 @@ def _random_operations_match_an_lru_queue(FreeBlockQueue):
             log.append(f"remove({b})")
         else:
             got, want = q.popleft(), ref.pop(0)
-            log.append(f"popleft()")
+            log.append("popleft()")
             if got != want:
                 raise Problem(f"after {len(log)} random operations (last ones: "
                               f"{', '.join(log[-4:])}) popleft returned {got}, expected {want}")
