@@ -63,4 +63,5 @@ def planted_bug_tests(graded: dict, bugs: list):
         for name in graded:
             assert len({b.__name__ for n, b, _, _ in bugs if n == name}) >= 2, name
 
-    return test_planted_bug_is_caught_with_a_specific_message, test_every_exercise_has_at_least_two_planted_bugs
+    return (test_planted_bug_is_caught_with_a_specific_message,
+            test_every_exercise_has_at_least_two_planted_bugs)

@@ -262,7 +262,8 @@ BUGS = [
     ("step_metadata", meta_trusts_the_caller, "bad span raises ValueError", "instead of raising"),
     ("step_metadata", meta_as_tensors_but_float, "starts at 0", "dtype torch.float32"),
     ("paged_prefill_attention", prefill_is_causal_true, "a later chunk", "aligned to the top left"),
-    ("paged_prefill_attention", prefill_is_causal_true, "a decode", "instead of seq_len - q_len + i"),
+    ("paged_prefill_attention", prefill_is_causal_true, "a decode",
+     "instead of seq_len - q_len + i"),
     ("paged_prefill_attention", prefill_no_mask, "a whole prompt", "no causal mask"),
     ("paged_prefill_attention", prefill_hides_self, "a whole prompt", "sees at least its own key"),
     ("paged_prefill_attention", prefill_hides_self, "a later chunk", "cannot see its own key"),
@@ -314,7 +315,8 @@ def test_prefill_grader_accepts_a_bfloat16_computation():
             blocks = block_tables[b, :-(-seq_len // bs)].long()
             k = k_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
             v = v_cache[blocks].flatten(0, 1)[:seq_len].repeat_interleave(group, dim=1)
-            visible = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - q_len, seq_len)[:, None]
+            query_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+            visible = torch.arange(seq_len)[None, :] <= query_pos
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[start:end].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                 attn_mask=visible, scale=scale)

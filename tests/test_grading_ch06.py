@@ -101,7 +101,8 @@ def test_reference_hit_length_is_the_engines_lookup():
 def keys_with_partial_block(token_ids, block_size, cache_salt=None):
     keys, parent = [], None
     for i in range(-(-len(token_ids) // block_size)):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], cache_salt)
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        parent = hash_block_tokens(parent, block, cache_salt)
         keys.append(parent)
     return keys
 
@@ -122,7 +123,8 @@ def keys_ignore_salt(token_ids, block_size, cache_salt=None):
 def keys_off_by_one(token_ids, block_size, cache_salt=None):
     keys, parent = [], None
     for i in range(max(0, len(token_ids) // block_size - 1)):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], cache_salt)
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        parent = hash_block_tokens(parent, block, cache_salt)
         keys.append(parent)
     return keys
 
@@ -214,5 +216,5 @@ BUGS = [
     ("num_cached_tokens", hit_skips_misses, "first missing block", "stops at the first missing"),
 ]
 
-test_planted_bug_is_caught_with_a_specific_message, test_every_exercise_has_at_least_two_planted_bugs = \
-    planted_bug_tests(GRADED, BUGS)
+(test_planted_bug_is_caught_with_a_specific_message,
+ test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)

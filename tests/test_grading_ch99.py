@@ -65,8 +65,8 @@ BUGS = [
     ("round_letters", letters_as_list, "choice.preempt-victim", "return a dict"),
 ]
 
-test_planted_bug_is_caught_with_a_specific_message, test_every_exercise_has_at_least_two_planted_bugs = \
-    planted_bug_tests(GRADED, BUGS)
+(test_planted_bug_is_caught_with_a_specific_message,
+ test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)
 
 
 def test_batch_grader_scores_the_round(tmp_path):

@@ -7,9 +7,10 @@ A submission belongs to the problem set whose name its file name contains
 kernel under a per-submission supervisor (supervisor.py: own session, every cell under a time
 limit, every process killed at the end). Its check cells record what the learner's code answered
 as plain data (transcript.py); this process then re-runs every check of the problem set itself
-against those answers (regrade.py). Printed grade lines, stale outputs and a patched grader in the notebook
-count for nothing; a check that never answered fails. Each CSV row is written as soon as its
-submission is graded. A broken or hostile submission gets a row with a status, never a crash.
+against those answers (regrade.py). Printed grade lines, stale outputs and a patched grader in
+the notebook count for nothing; a check that never answered fails. Each CSV row is written as
+soon as its submission is graded. A broken or hostile submission gets a row with a status, never
+a crash.
 """
 from __future__ import annotations
 

@@ -442,7 +442,8 @@ class _Step:
     def describe(self) -> str:
         kind = "decode" if self.num_tokens == 1 else "prefill"
         return (f"{self.model}, {kind} batch={self.batch} num_tokens={self.num_tokens} "
-                f"context={self.context}, {self.bytes_per_value} bytes per value, on {self.machine}")
+                f"context={self.context}, {self.bytes_per_value} bytes per value, "
+                f"on {self.machine}")
 
     # --- what the common mistakes produce, field by field
     def _attention(self, per_key=4, heads=None, keys="causal"):

@@ -102,7 +102,7 @@ def _copies(result) -> list:
         return [tuple(int(x) for x in pair) for pair in result]
     except (TypeError, ValueError):
         raise Problem(f"append returned {result!r}; return a list of (src, dst) block pairs "
-                      "([] when nothing was copied)")
+                      "([] when nothing was copied)") from None
 
 
 def _allocate_counts(cls):
@@ -328,7 +328,7 @@ def _expect_value_error(action, what: str) -> None:
         raise
     except Exception as exc:
         raise Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError with a "
-                      "message that names the fix")
+                      "message that names the fix") from None
     raise Problem(f"{what} did not raise; raise ValueError (nothing may be silently dropped)")
 
 
@@ -456,7 +456,7 @@ def _slot_errors(fn):
             raise
         except Exception as exc:
             raise Problem(f"{what} raised {type(exc).__name__}: {exc}; raise ValueError that "
-                          "says which positions the table can hold")
+                          "says which positions the table can hold") from None
         raise Problem(f"{what} returned {str(out)[:60]} instead of raising ValueError; a "
                       "position outside the table has no slot, so nothing may be returned")
 
@@ -508,13 +508,14 @@ def _call_gather(fn, case):
         while type(root).__name__ == "InterpreterError" and root.__cause__ is not None:
             root = root.__cause__
         if root is not exc:
-            raise root
+            raise root from None
         text = str(exc)
         if any(word in text.lower() for word in ("cuda", "pointer", "driver")):
             raise Problem(f"{case.describe()}: the kernel could not run on CPU tensors "
                           f"({type(exc).__name__}: {text[:160]}); set "
                           "os.environ['TRITON_INTERPRET'] = '1' before the cell that defines "
-                          "the kernel (the problem set's first cell does) and re-run both")
+                          "the kernel (the problem set's first cell does) and re-run "
+                          "both") from None
         raise
     return out, cache, table
 

@@ -411,7 +411,7 @@ def _steps_hint(runs) -> str:
     agree on one trace: [4, 1, 1, 1] in 2 slots takes 5 steps under the static schedule and
     under a continuous one that refills a step late)."""
     fits = None
-    for lens, slots, scheduling, got, want in runs:
+    for lens, slots, scheduling, got, _want in runs:
         here = {sentence for value, sentence in _steps_explanations(lens, slots, scheduling)
                 if value == got}
         fits = here if fits is None else fits & here
@@ -506,7 +506,8 @@ SLOT_OCCUPANCY = Exercise("ch04.slot_occupancy", "slot_occupancy", (
     Check("idle_while_waiting: only steps in which some request has not been admitted",
           _occupancy_cases([(_TAIL, 2, "static"), (_MIXED, 3, "static"), (_MIXED, 3, "continuous"),
                             ([1, 1, 8], 2, "continuous")])),
-    Check("an empty trace takes 0 steps", _occupancy_cases([([], 4, "static"), ([], 1, "continuous")])),
+    Check("an empty trace takes 0 steps",
+          _occupancy_cases([([], 4, "static"), ([], 1, "continuous")])),
     Check("bad input raises ValueError", _occupancy_bad_input),
     Check("agrees with minillm's Scheduler on random traces", _occupancy_random),
 ))

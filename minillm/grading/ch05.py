@@ -200,7 +200,8 @@ class _Step:
         g = torch.Generator().manual_seed(seed)
         used = [-(-(c + n) // block_size) for c, n in spans]              # blocks per sequence
         num_blocks = sum(used) + 3                                          # a few never used
-        order = torch.randperm(num_blocks, generator=g).tolist() if scatter else list(range(num_blocks))
+        order = (torch.randperm(num_blocks, generator=g).tolist() if scatter
+                 else list(range(num_blocks)))
         self.k_cache = 4 * torch.randn(num_blocks, block_size, KVH, D, generator=g) + 2
         self.v_cache = 4 * torch.randn(num_blocks, block_size, KVH, D, generator=g) - 3
         max_blocks = max(used, default=0) + 1                              # one padding column
@@ -211,7 +212,7 @@ class _Step:
             self.block_tables[b, :nb] = torch.tensor(table, dtype=torch.int32)
             k = torch.randn(c + n, KVH, D, generator=g)                     # [seq_len, KVH, D]
             v = torch.randn(c + n, KVH, D, generator=g)
-            for p in range(c + n):                                          # store through the table
+            for p in range(c + n):                                    # store through the table
                 self.k_cache[table[p // block_size], p % block_size] = k[p]
                 self.v_cache[table[p // block_size], p % block_size] = v[p]
             self.keys.append(k)
@@ -346,7 +347,8 @@ def _prefill_check(cases, tolerance=1e-4):
                    f"{n}, at position {c + t - int(step.cu_seqlens_q[b])}) differs from causal "
                    f"attention by up to {float(bad[t]):.3g}")
             tol = max(tolerance, 1e-4)
-            sentence = one_fit(got, [(_attend_variant(step, **v), s) for v, s in _PREFILL_DIAGNOSES],
+            variants = [(_attend_variant(step, **v), s) for v, s in _PREFILL_DIAGNOSES]
+            sentence = one_fit(got, variants,
                                expected=step.expected,
                                same=lambda a, b: torch.allclose(a, b, atol=tol, rtol=tol))
             raise Problem(msg + (f"; {sentence}" if sentence else ""))

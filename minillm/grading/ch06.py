@@ -33,7 +33,7 @@ def _keys(block_keys, ids, bs, salt=None):
     try:
         got = list(got)
     except TypeError:
-        raise Problem(f"block_keys returned {type(got).__name__}; return a list of ints")
+        raise Problem(f"block_keys returned {type(got).__name__}; return a list of ints") from None
     if not all(isinstance(k, int) for k in got):
         raise Problem(f"block_keys returned {got[:3]}...; every key must be an int (the value "
                       "hash_block_tokens returns)")
@@ -113,7 +113,8 @@ def _matches_reference_on_random_prompts(block_keys):
 BLOCK_KEYS = Exercise("ch06.block_keys", "block_keys", (
     Check("one key per full block, none for a partial one", _one_key_per_full_block),
     Check("each key chains its parent's key", _keys_chain_the_parent),
-    Check("equal tokens after different prefixes get different keys", _same_tokens_after_another_prefix_differ),
+    Check("equal tokens after different prefixes get different keys",
+          _same_tokens_after_another_prefix_differ),
     Check("cache_salt changes every key", _salt_separates),
     Check("matches minillm on random prompts", _matches_reference_on_random_prompts),
 ))
@@ -189,7 +190,7 @@ def _errors(FreeBlockQueue):
         pass
     except Exception as e:
         raise Problem(f"popleft() on an empty queue raised {type(e).__name__}; raise ValueError "
-                      "(out of KV blocks)")
+                      "(out of KV blocks)") from None
     else:
         raise Problem("popleft() on an empty queue returned instead of raising ValueError")
     q.append(1)
@@ -199,7 +200,7 @@ def _errors(FreeBlockQueue):
         pass
     except Exception as e:
         raise Problem(f"remove(7) of a block not in the queue raised {type(e).__name__}; raise "
-                      "ValueError")
+                      "ValueError") from None
     else:
         raise Problem("remove(7) of a block not in the queue did not raise ValueError")
     if _size(q) != 1:
@@ -209,7 +210,7 @@ def _errors(FreeBlockQueue):
 def _random_operations_match_an_lru_queue(FreeBlockQueue):
     rng = random.Random(11)
     q, ref, log = FreeBlockQueue(), [], []
-    for step in range(300):
+    for _step in range(300):
         op = rng.random()
         if op < 0.45 or not ref:
             b = rng.choice([b for b in range(40) if b not in ref] or [None])
@@ -317,12 +318,13 @@ def _block_size_one(fn):
 
 def _matches_reference_on_random_cases(fn):
     rng = random.Random(7)
-    for trial in range(40):
+    for _trial in range(40):
         bs = rng.choice([1, 2, 4, 8])
         base = [rng.randrange(3) for _ in range(rng.randint(0, 30))]
         others = [[rng.randrange(3) for _ in range(rng.randint(1, 30))] for _ in range(2)]
         cache = _cache_of(base, *others, bs=bs)
-        prompt = base[:rng.randint(0, len(base))] + [rng.randrange(3) for _ in range(rng.randint(1, 8))]
+        head = base[:rng.randint(0, len(base))]                   # drawn first, as before
+        prompt = head + [rng.randrange(3) for _ in range(rng.randint(1, 8))]
         want = reference_num_cached_tokens(prompt, cache, bs)
         got = fn(list(prompt), set(cache), bs)
         if got != want:

@@ -258,7 +258,8 @@ def _ng_expect(fn, ids, k, lo, hi, why: str):
 
 
 def _ng_basic(fn):
-    _ng_expect(fn, [4, 5, 6, 7, 8, 1, 5, 6], 3, 1, 2, "[5, 6] occurred at index 1, followed by 7, 8, 1")
+    _ng_expect(fn, [4, 5, 6, 7, 8, 1, 5, 6], 3, 1, 2,
+               "[5, 6] occurred at index 1, followed by 7, 8, 1")
 
 
 def _ng_longest(fn):
@@ -315,7 +316,8 @@ def _sp(fn, a, k, c):
     try:
         return float(out)
     except (TypeError, ValueError):
-        raise Problem(f"expected_speedup({a}, {k}, {c}) returned {out!r}; return a number")
+        raise Problem(f"expected_speedup({a}, {k}, {c}) returned {out!r}; "
+                      "return a number") from None
 
 
 def _sp_expect(fn, a, k, c, why=""):

@@ -127,7 +127,7 @@ def expect_value_error(call: Callable, what: str, fix: str = "raise ValueError")
     except NotImplementedError:
         raise
     except Exception as exc:
-        raise Problem(f"{what} raised {type(exc).__name__}: {exc}; {fix}")
+        raise Problem(f"{what} raised {type(exc).__name__}: {exc}; {fix}") from None
     raise Problem(f"{what}: you returned {str(out)[:60]} instead of raising ValueError")
 
 

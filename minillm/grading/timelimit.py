@@ -58,7 +58,8 @@ def default_time_limit() -> float:
     try:
         limit = float(value)
     except ValueError:
-        raise ValueError(f"MINILLM_GRADE_TIME_LIMIT must be a number of seconds, got {value!r}")
+        raise ValueError(f"MINILLM_GRADE_TIME_LIMIT must be a number of seconds, "
+                         f"got {value!r}") from None
     if limit <= 0:
         raise ValueError(f"MINILLM_GRADE_TIME_LIMIT must be positive, got {value!r}")
     return limit

@@ -13,11 +13,11 @@ verdict. In the submission's kernel, each check talks to the learner's function 
 
 The trusted process then runs the same check code with a replaying channel (regrade.py): every
 request must equal the recorded one (compared by a digest of its arguments) and gets the
-recorded answer. Checks are deterministic, so given the same answers they make the same requests; a request the
-transcript does not hold means the learner's call never returned (time limit, crash) or the
-notebook tampered with the grader, and the check fails. Nothing from the submission is
-unpickled, imported or executed: a forged transcript can only claim answers, which is no more
-than a learner function could return anyway.
+recorded answer. Checks are deterministic, so given the same answers they make the same
+requests; a request the transcript does not hold means the learner's call never returned (time
+limit, crash) or the notebook tampered with the grader, and the check fails. Nothing from the
+submission is unpickled, imported or executed: a forged transcript can only claim answers, which
+is no more than a learner function could return anyway.
 
 Both sides hand the check identical values (the recording side decodes what it encodes), so the
 verdict computed in the kernel and the one computed from the transcript agree.
@@ -220,14 +220,14 @@ def decode(data, channel):
             try:
                 out[key] = decode(pair[1], channel)
             except TypeError:                     # an unhashable key
-                raise BadRecord("unhashable dict key")
+                raise BadRecord("unhashable dict key") from None
         return out
     if "__set__" in data:
         try:
             items = [decode(v, channel) for v in _list(data["__set__"])]
             return frozenset(items) if data.get("frozen") else set(items)
         except TypeError:
-            raise BadRecord("unhashable set member")
+            raise BadRecord("unhashable set member") from None
     if "__bytes__" in data:
         return base64.b64decode(_str(data["__bytes__"]))
     if "__tensor__" in data:
@@ -236,7 +236,7 @@ def decode(data, channel):
             value = torch.load(io.BytesIO(base64.b64decode(_str(data["__tensor__"]))),
                                weights_only=True)
         except Exception as exc:
-            raise BadRecord(f"a tensor could not be loaded: {type(exc).__name__}")
+            raise BadRecord(f"a tensor could not be loaded: {type(exc).__name__}") from None
         if not isinstance(value, torch.Tensor):
             raise BadRecord("a tensor record holds something else")
         return value
