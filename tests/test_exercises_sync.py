@@ -13,7 +13,7 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from minillm.grading import parse_grade_lines
 from minillm.grading.batch import chapter_exercises
-from minillm.grading.make_exercises import (BEGIN, END, generate, main, make_exercise_notebook,
+from minillm.grading.make_exercises import (BEGIN, END, main, make_exercises, make_exercise_notebook,
                                             render, strip_solutions)
 from minillm.grading.testing import function_from_notebook
 
@@ -28,7 +28,7 @@ def test_there_are_problem_sets():
 
 
 def test_committed_exercises_match_what_solutions_generate():
-    problems = generate(SOLUTIONS, EXERCISES, check=True)
+    problems = make_exercises(SOLUTIONS, EXERCISES, check=True)
     assert problems == [], "run `make exercises`:\n" + "\n".join(problems)
 
 

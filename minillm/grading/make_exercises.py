@@ -191,7 +191,7 @@ def render(path: Path) -> str:
     return text if text.endswith("\n") else text + "\n"
 
 
-def generate(solutions_dir, exercises_dir, check: bool = False) -> list[str]:
+def make_exercises(solutions_dir, exercises_dir, check: bool = False) -> list[str]:
     """Write (or with check=True only compare) every exercise notebook. Returns the problems
     found in check mode: one sentence per stale, missing or orphaned exercise file."""
     src, dst = Path(solutions_dir), Path(exercises_dir)
@@ -226,7 +226,7 @@ def main(argv=None) -> int:
                     help="write nothing; exit 1 and name each exercise file that is out of date")
     args = ap.parse_args(argv)
     try:
-        problems = generate(args.solutions, args.exercises, check=args.check)
+        problems = make_exercises(args.solutions, args.exercises, check=args.check)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
