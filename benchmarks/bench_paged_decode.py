@@ -253,7 +253,8 @@ def check_targets(rows, copy_gbps):
               and "ms" in r]
     out = {}
     big = [r["gbps"] / copy_gbps for r in triton if r["kv_bytes"] >= 400e6]
-    out["bandwidth_vs_copy_where_kv_ge_400MB"] = dict(target=">= 0.80", worst=min(big, default=None))
+    out["bandwidth_vs_copy_where_kv_ge_400MB"] = dict(target=">= 0.80",
+                                                      worst=min(big, default=None))
     flex = [ms(r, "flex_paged") / r["ms"] for r in triton if ms(r, "flex_paged")]
     out["speedup_vs_flex_paged"] = dict(target=">= 1.0", worst=min(flex, default=None))
     sdpa = [r["ms"] / ms(r, "sdpa_contiguous") for r in triton if ms(r, "sdpa_contiguous")]

@@ -17,8 +17,10 @@ enable_prefix_caching=True and =False (same model object, same limits), alternat
                  requests arrive at once)
     hit_rate     engine.prefix_cache_stats.hit_rate (prompt tokens served from the cache)
 
-    python benchmarks/bench_prefix.py --threads 1         # CPU: bundled SmolLM2-135M, G=1, P=32, L=129
-    python benchmarks/bench_prefix.py --device cuda       # GPU: random-weight Llama-3.2-1B, G=8, P=32, L=2049
+    # CPU: bundled SmolLM2-135M, G=1, P=32, L=129
+    python benchmarks/bench_prefix.py --threads 1
+    # GPU: random-weight Llama-3.2-1B, G=8, P=32, L=2049
+    python benchmarks/bench_prefix.py --device cuda
 
 (L = a multiple of the block size + 1, so that a 95% hit rate is reachable with full blocks.)
 
@@ -174,8 +176,9 @@ def add_overhead(path, args):
         extra = bookkeeping_overhead(prompts, w["block_size"], w["output_len"])
         row["bookkeeping_cpu_s"] = extra
         row["bookkeeping_share_of_off_run"] = extra / row["cpu_seconds_off"]
-        print(f"hit rate {row['hit_rate_measured']:.2f}: prefix-cache bookkeeping {extra * 1e3:.2f} ms "
-              f"CPU = {row['bookkeeping_share_of_off_run']:.5%} of the caching-off run")
+        print(f"hit rate {row['hit_rate_measured']:.2f}: prefix-cache bookkeeping "
+              f"{extra * 1e3:.2f} ms CPU = {row['bookkeeping_share_of_off_run']:.5%} "
+              "of the caching-off run")
     record["bookkeeping_command"] = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     path.write_text(json.dumps(record, indent=1))
 
@@ -246,7 +249,8 @@ def main(argv=None):
         record["rows"].append(row)
         print(f"hit rate target {target:4.2f} measured {row['hit_rate_measured']:5.3f}: "
               f"{row['throughput_tok_s_off']:8.0f} -> {row['throughput_tok_s_on']:8.0f} tok/s "
-              f"({row['speedup']:.2f}x wall, {row['speedup_cpu_time']:.2f}x CPU time), TTFT mean {row['ttft_mean_s_off']:.3f} -> "
+              f"({row['speedup']:.2f}x wall, {row['speedup_cpu_time']:.2f}x CPU time), "
+              f"TTFT mean {row['ttft_mean_s_off']:.3f} -> "
               f"{row['ttft_mean_s_on']:.3f} s, same tokens {row['same_tokens_on_off']}",
               flush=True)
     record["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -1,9 +1,11 @@
-"""Benchmark: latency against offered load for any OpenAI-compatible server (`vllm bench serve` style).
+"""Benchmark: latency against offered load for any OpenAI-compatible server
+(`vllm bench serve` style).
 
-Sends requests with ShareGPT- or Alpaca-like lengths (minillm.lab.workloads) as streamed completions,
-with gamma/Poisson arrivals at each request rate of a sweep (or a fixed max concurrency), and
-reports per rate: TTFT, TPOT, ITL, E2E latency (mean, p50, p90, p99), request and token
-throughput, goodput under the SLOs given, and the mean concurrency (Little's law: rate x E2E).
+Sends requests with ShareGPT- or Alpaca-like lengths (minillm.lab.workloads) as streamed
+completions, with gamma/Poisson arrivals at each request rate of a sweep (or a fixed max
+concurrency), and reports per rate: TTFT, TPOT, ITL, E2E latency (mean, p50, p90, p99), request
+and token throughput, goodput under the SLOs given, and the mean concurrency (Little's law:
+rate x E2E).
 Metric definitions: minillm/serve/loadgen.py (vLLM's, so numbers compare); the summary is
 minillm.metrics.summarize, the one the engine's own metrics go through.
 
@@ -44,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the first of GET /v1/models")
     p.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    p.add_argument("--mix", default="alpaca", help="minillm.lab.workloads mix: sharegpt, alpaca, ...")
+    p.add_argument("--mix", default="alpaca",
+                   help="minillm.lab.workloads mix: sharegpt, alpaca, ...")
     p.add_argument("--num-prompts", type=int, default=100, help="requests per rate")
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests/s, one run each; inf = all at once")

@@ -214,7 +214,8 @@ def main(argv=None):
     result["load_average_after"] = os.getloadavg()
     result["seconds"] = round(time.perf_counter() - t0, 1)
     RESULTS.mkdir(exist_ok=True)
-    out = Path(args.out) if args.out else RESULTS / f"spec_{args.device}_{result['date'].replace('-', '')}.json"
+    out = (Path(args.out) if args.out
+           else RESULTS / f"spec_{args.device}_{result['date'].replace('-', '')}.json")
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out}")

@@ -1,4 +1,5 @@
-"""minillm: a small, readable LLM inference engine that the course notebooks build chapter by chapter."""
+"""minillm: a small, readable LLM inference engine that the course notebooks build
+chapter by chapter."""
 from . import configs, kernels, kvmath, roofline
 from .configs import ModelConfig
 from .generate import generate, generate_no_cache, generate_stream
@@ -7,6 +8,7 @@ from .model import Transformer
 from .sampling import SamplingParams
 from .engine import LLM
 
-__all__ = ["configs", "kernels", "kvmath", "roofline", "ModelConfig", "Transformer", "SamplingParams", "load_model",
-           "generate", "generate_stream", "generate_no_cache", "LLM"]
+__all__ = ["configs", "kernels", "kvmath", "roofline", "ModelConfig", "Transformer",
+           "SamplingParams", "load_model", "generate", "generate_stream", "generate_no_cache",
+           "LLM"]
 __version__ = "0.1.0"

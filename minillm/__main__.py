@@ -1,4 +1,5 @@
-"""Command line: `python -m minillm generate "prompt" [--model M] [--max-tokens N] [--temperature T]`
+"""Command line:
+`python -m minillm generate "prompt" [--model M] [--max-tokens N] [--temperature T]`
 and `python -m minillm serve [--model M] [--port P]` (the chapter-08 server, minillm.serve.cli).
 
 Streams the reply token by token. Instruct models (a tokenizer with a chat template) get the prompt

@@ -47,7 +47,8 @@ class ModelConfig:
                      head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings)
         for field_name, value in sizes.items():
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{self.name}: {field_name} must be a positive integer, got {value!r}")
+                raise ValueError(f"{self.name}: {field_name} must be a positive integer, "
+                                 f"got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.name}: num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads}); each KV head serves a whole "
@@ -55,7 +56,8 @@ class ModelConfig:
         for field_name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{self.name}: {field_name} must be an integer >= 0, got {value!r}")
+                raise ValueError(f"{self.name}: {field_name} must be an integer >= 0, "
+                                 f"got {value!r}")
 
     @property
     def attention(self) -> str:

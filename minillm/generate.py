@@ -53,7 +53,8 @@ def encode_prompt(model, tok, prompt: Prompt) -> torch.Tensor:
 
 
 def check_context_room(cfg, prompt_len: int, max_tokens: int, arg: str = "max_new_tokens") -> None:
-    """The prompt plus `max_tokens` new tokens must fit the model's context (`arg` names the knob)."""
+    """The prompt plus `max_tokens` new tokens must fit the model's context (`arg` names the
+    knob)."""
     ctx = cfg.max_position_embeddings
     if prompt_len >= ctx:
         raise ValueError(f"prompt has {prompt_len} tokens but {cfg.name}'s context is "

@@ -98,7 +98,8 @@ def config_from_hf(hf: dict, name: str = "checkpoint") -> ModelConfig:
                          "pick a supported model")
     rope = dict(hf.get("rope_parameters") or {})             # transformers >= 5
     theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                         else None)
     if scaling:
         scaling = {k: v for k, v in scaling.items() if k != "rope_theta"}
         if scaling.get("type") and not scaling.get("rope_type"):

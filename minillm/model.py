@@ -123,7 +123,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
+                                                            cfg.head_dim)
         bias = cfg.attention_bias
         self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
         self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
@@ -193,7 +194,7 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def rope(self, positions):                               # positions [B, T] -> cos, sin [B, T, 1, D]
+    def rope(self, positions):                         # positions [B, T] -> cos, sin [B, T, 1, D]
         freqs = positions[..., None].float() * self.inv_freq.float()      # [B, T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
         return emb.cos(), emb.sin()
@@ -207,7 +208,8 @@ class Transformer(nn.Module):
         continue what the cache already holds; their positions come from the cache unless given.
         """
         if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+            raise ValueError("input_ids must be [batch, tokens], got shape "
+                             f"{tuple(input_ids.shape)}")
         B, T = input_ids.shape
         if positions is None:
             start = cache.seq_len if cache is not None else 0

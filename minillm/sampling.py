@@ -137,7 +137,8 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most-likely tokens whose probability sum reaches p. logits [B, V]."""
+    """Keep the smallest set of most-likely tokens whose probability sum reaches p.
+    logits [B, V]."""
     if p >= 1.0:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)

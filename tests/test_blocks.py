@@ -246,7 +246,7 @@ BlockManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step
 TestBlockManagerMachine = BlockManagerMachine.TestCase
 
 
-# --- the chapter-02 workload on blocks --------------------------------------------------------------
+# --- the chapter-02 workload on blocks ----------------------------------------------------------
 
 def test_paged_simulation_wastes_under_four_percent():
     w = make_workload("sharegpt", 120, seed=0, rate=50.0)

@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LECTURE = "notebooks/01_kv_cache_math.ipynb"
 PROBLEM_SET = "exercises/05_chunked_prefill.ipynb"
 SERVER_START_S = 120          # JupyterLab up and answering
-RUN_ALL_S = 900               # a lecture runs in < 2 min on an idle 2-core CPU; CI-like load is slower
+RUN_ALL_S = 900               # a lecture runs in < 2 min on an idle 2-core CPU; CI-like load
+                              # is slower
 WIDGET_S = 60                 # a slider move reaches the kernel and the new output renders
 
 
@@ -79,7 +80,8 @@ def lab(tmp_path_factory):
     (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               JUPYTER_CONFIG_DIR=str(work / ".jupyter"), JUPYTERLAB_WORKSPACES_DIR=str(work / ".ws"),
+               JUPYTER_CONFIG_DIR=str(work / ".jupyter"),
+               JUPYTERLAB_WORKSPACES_DIR=str(work / ".ws"),
                JUPYTER_RUNTIME_DIR=str(work / ".runtime"), JUPYTER_DATA_DIR=str(work / ".data"))
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
            f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
@@ -136,7 +138,8 @@ def _open(browser, lab, path):
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=SERVER_START_S * 1000)
     # the kernel is up when the toolbar's status says idle
     page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
-                           "[data-status='idle'], .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                           "[data-status='idle'], "
+                           ".jp-Notebook-ExecutionIndicator[data-status='idle']",
                            timeout=SERVER_START_S * 1000)
     return page, errors
 

@@ -14,8 +14,8 @@ from minillm.lab.memory_sim import plot_memory_map, simulate_arena   # noqa: E40
 from minillm.lab.workloads import WorkloadRequest, make_workload     # noqa: E402
 from minillm.loader import random_model                              # noqa: E402
 
-TINY = get("smollm2-135m").with_(name="tiny", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                                 hidden_size=64, intermediate_size=128, vocab_size=128,
+TINY = get("smollm2-135m").with_(name="tiny", num_layers=2, num_heads=4, num_kv_heads=2,
+                                 head_dim=16, hidden_size=64, intermediate_size=128, vocab_size=128,
                                  max_position_embeddings=256)
 
 

@@ -23,7 +23,8 @@ def test_bank_size_and_schema():
         assert q.kind in drill.KINDS
         assert q.topic in drill.topics()
         assert q.difficulty in (1, 2, 3)
-        assert q.section and all(re.match(r"^notebooks/\d\d_[a-z0-9_]+\.ipynb#.+$", s) for s in q.section)
+        assert q.section and all(re.match(r"^notebooks/\d\d_[a-z0-9_]+\.ipynb#.+$", s)
+                                 for s in q.section)
     kinds = {q.kind for q in BANK}
     assert kinds == set(drill.KINDS)
 
@@ -103,20 +104,23 @@ def test_spot_the_error_feedback_gives_the_fact_with_computed_figures():
     inst = q.instance(0)
     wrong = next(l for l in "ABCD" if l != inst.correct_letter)
     fb = inst.grade(wrong).feedback
-    assert "The correct fact:" in fb and "327,680 B" in fb and "notebooks/01_kv_cache_math.ipynb#" in fb
+    assert ("The correct fact:" in fb and "327,680 B" in fb
+            and "notebooks/01_kv_cache_math.ipynb#" in fb)
     assert "[[" not in fb
 
 
 def test_every_listed_error_has_a_spot_the_error_item():
     errors = drill.load_bank(kind="spot_the_error")
-    assert len(errors) >= 46          # 12 known + 34 found since (one merged, one not an error, some split)
+    assert len(errors) >= 46          # 12 known + 34 found since (one merged, one not an error,
+                                      # some split)
 
 
 def test_numeric_grading_accepts_units_and_names_slips():
     q = drill.get("num.kv-per-token.gqa")
     inst = next(q.instance(s) for s in range(50) if q.instance(s).params["model"] == "llama-2-70b")
     assert inst.value == 327680
-    for ok in ("327680", "327,680 B", "320 KiB", "320KiB", "0.3125 MiB", "327.68 KB", "3.2768e5 bytes"):
+    for ok in ("327680", "327,680 B", "320 KiB", "320KiB", "0.3125 MiB", "327.68 KB",
+               "3.2768e5 bytes"):
         assert inst.grade(ok).score == 1.0, ok
     slip = inst.grade("320 KB")                          # decimal where binary was meant
     assert slip.score == 0.0 and "decimal and binary" in slip.feedback
@@ -147,7 +151,8 @@ def test_parse_quantity_units():
     assert parse_quantity("78%", "fraction").value == pytest.approx(0.78)
     assert parse_quantity("1.6x", "ratio").value == 1.6
     assert parse_quantity("$0.42", "dollars").value == 0.42
-    for bad, dim in (("", "bytes"), ("lots", "count"), ("5 parsecs", "bytes"), ("3 tokens", "bytes")):
+    for bad, dim in (("", "bytes"), ("lots", "count"), ("5 parsecs", "bytes"),
+                     ("3 tokens", "bytes")):
         with pytest.raises(UnitError):
             parse_quantity(bad, dim)
 

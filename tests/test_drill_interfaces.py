@@ -163,7 +163,8 @@ def test_review_schedules_with_fsrs_and_a_fake_clock(tmp_path):
                        state=ReviewState(tmp_path / "review.json"), now=lambda: now[0])
     assert again == {q.id: 0.0 for q in qs}
     for card in json.loads((tmp_path / "review.json").read_text()).values():
-        assert datetime.fromisoformat(card["due"]) - now[0] < timedelta(days=1)   # a lapse comes back soon
+        # a lapse comes back soon
+        assert datetime.fromisoformat(card["due"]) - now[0] < timedelta(days=1)
 
 
 def test_corrupt_review_state_is_set_aside(tmp_path):
@@ -197,7 +198,8 @@ def test_anki_export_is_a_deck_with_one_note_per_question(tmp_path):
     with zipfile.ZipFile(path2) as z:
         z.extract("collection.anki2", tmp_path / "b")
     db = sqlite3.connect(tmp_path / "b" / "collection.anki2")
-    assert {g for (g,) in db.execute("select guid from notes")} == {anki.guid_for(q.id) for q in qs[:5]}
+    assert ({g for (g,) in db.execute("select guid from notes")}
+            == {anki.guid_for(q.id) for q in qs[:5]})
     db.close()
 
 
@@ -213,12 +215,17 @@ def test_mock_report_with_a_fake_clock(tmp_path):
     clock = FakeClock()
     # (minutes spent before this line is entered, the line)
     script = [
-        (3, "latency or throughput? context lengths? which gpu, model and dtype? qps and p99 slo? cost? tenants?"), (0, "."),
-        (6, "openai api server streaming; scheduler with waiting queue; kv block manager; model runner; sampler; continuous batching"), (0, "."),
+        (3, "latency or throughput? context lengths? which gpu, model and dtype? qps and p99 slo? "
+            "cost? tenants?"), (0, "."),
+        (6, "openai api server streaming; scheduler with waiting queue; kv block manager; "
+            "model runner; sampler; continuous batching"), (0, "."),
         (2, "200"),                                   # the capacity estimate
-        (9, "block table and free list; refcount and copy-on-write fork; admission and preemption; prefix hash; chunked budget"), (10, "."),
-        (5, "replicas behind a load balancer; tensor parallel; fp8 quantization; prefix caching; 429 on overload; trade-off: latency vs cost"), (0, "."),
-        (2, "speculative decoding: a draft proposes tokens, the target verifies them in one pass; rejection sampling keeps the exact distribution; several tokens per pass"),
+        (9, "block table and free list; refcount and copy-on-write fork; admission and preemption; "
+            "prefix hash; chunked budget"), (10, "."),
+        (5, "replicas behind a load balancer; tensor parallel; fp8 quantization; prefix caching; "
+            "429 on overload; trade-off: latency vs cost"), (0, "."),
+        (2, "speculative decoding: a draft proposes tokens, the target verifies them in one pass; "
+            "rejection sampling keeps the exact distribution; several tokens per pass"),
         (1, "I don't know"),
         (3, "decision: TP 2 with FP8; measure TTFT p99 and KV usage on a dashboard"), (0, "."),
     ]

@@ -189,12 +189,14 @@ def test_generator_answer_equals_independent_recomputation(q):
         inst = q.instance(seed)
         want = expected(q.generator, inst.params)
         # the scan above steps by 1e-4; everything else must agree to rounding
-        tol = dict(rel=0, abs=1.5e-4) if q.generator == "spec_break_even" else dict(rel=1e-9, abs=1e-12)
+        tol = (dict(rel=0, abs=1.5e-4) if q.generator == "spec_break_even"
+               else dict(rel=1e-9, abs=1e-12))
         assert inst.value == pytest.approx(want, **tol), (q.id, seed, inst.params)
 
 
 def test_expected_tokens_per_step_matches_simulation():
-    """The drill's speculative answers come from minillm.spec.theory: check it against a simulation."""
+    """The drill's speculative answers come from minillm.spec.theory: check it against a
+    simulation."""
     rng = random.Random(0)
     for alpha, k in ((0.5, 4), (0.8, 3), (0.3, 6)):
         trials, total = 20000, 0

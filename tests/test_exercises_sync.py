@@ -174,7 +174,8 @@ def test_generated_notebook_drops_outputs_metadata_and_nbval_lines():
                                   "language": "python"},
                    "language_info": {"name": "python", "version": "3.11.7"}, "widgets": {}}
     code = new_code_cell(f"# NBVAL_CHECK_OUTPUT\ndef f(x):\n    {BEGIN}\n    return x\n    {END}",
-                         execution_count=3, metadata={"execution": {"iopub.status.idle": "2025"}, "tags": ["keep"]})
+                         execution_count=3,
+                         metadata={"execution": {"iopub.status.idle": "2025"}, "tags": ["keep"]})
     code.outputs = [nbformat.v4.new_output("stream", name="stdout", text="hi\n")]
     nb.cells = [new_markdown_cell("# title"), code]
     out = make_exercise_notebook(nb, "demo")
@@ -196,7 +197,7 @@ def test_a_notebook_without_regions_or_with_a_broken_stub_is_rejected():
         make_exercise_notebook(nb, "broken")
 
 
-# ------------------------------------------------------------------ Run All goes past unsolved cells
+# ---------------------------------------------------------------- Run All goes past unsolved cells
 
 def test_cells_that_use_an_unsolved_function_are_tagged_and_check_cells_are_not():
     # a grader handed the function by name reports it unwritten and does not raise; a check
@@ -216,7 +217,8 @@ def test_cells_that_use_an_unsolved_function_are_tagged_and_check_cells_are_not(
         new_code_cell("w = ch00.check_top_p(lambda v: f(v))"),                        # 10 wrapped
     ])
     out = make_exercise_notebook(nb, "demo")
-    tagged = [i for i, c in enumerate(out.cells) if "raises-exception" in c.metadata.get("tags", [])]
+    tagged = [i for i, c in enumerate(out.cells)
+              if "raises-exception" in c.metadata.get("tags", [])]
     assert tagged == [4, 5, 7, 10]
     assert out.cells[8].metadata == {"tags": ["keep"]} == out.cells[9].metadata
     assert "tags" not in nb.cells[4].metadata, "the input notebook must not be modified"

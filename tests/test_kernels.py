@@ -186,7 +186,8 @@ def test_store_kv_triton(dtype, slot_dtype):
 
 # ----------------------------------------------------------------------------- decode
 DECODE_CASES = ([(bs, group, torch.float32) for bs in (8, 16, 32, 128) for group in (1, 3, 8)]
-                + [(16, group, dt) for dt in (torch.float16, torch.bfloat16) for group in (1, 3, 8)])
+                + [(16, group, dt) for dt in (torch.float16, torch.bfloat16)
+                   for group in (1, 3, 8)])
 
 
 @pytest.mark.parametrize("split_kv", [False, True], ids=["single", "split"])
@@ -275,7 +276,8 @@ def prefill_batch(block_size):
 # block 128 makes long sequences (the interpreter's slowest case): groups 1 and 3 only there
 PREFILL_CASES = ([(bs, group, torch.float32) for bs in (8, 16, 32) for group in (1, 3, 8)]
                  + [(128, group, torch.float32) for group in (1, 3)]
-                 + [(16, group, dt) for dt in (torch.float16, torch.bfloat16) for group in (1, 3, 8)])
+                 + [(16, group, dt) for dt in (torch.float16, torch.bfloat16)
+                    for group in (1, 3, 8)])
 
 
 @pytest.mark.parametrize("block_size,group,dtype", PREFILL_CASES,

@@ -265,7 +265,8 @@ def test_plan_custom_gpu_and_reserve():
     assert plan.kv_pool_bytes == max(0, 10_000 - weights)
     big = kvmath.GPU("big", memory_bytes=10**9, bandwidth=1.0, bf16_flops=1.0)
     p0 = kvmath.plan_capacity(big, cfg, "fp32", "fp32", 0.5, context_len=100)
-    p1 = kvmath.plan_capacity(big, cfg, "fp32", "fp32", 0.5, context_len=100, reserved_bytes=4096 * 10)
+    p1 = kvmath.plan_capacity(big, cfg, "fp32", "fp32", 0.5, context_len=100,
+                              reserved_bytes=4096 * 10)
     assert p0.kv_pool_bytes == 500_000_000 - weights
     assert p0.max_tokens - p1.max_tokens == 10  # 40,960 reserved bytes = 10 tokens of 4096
 

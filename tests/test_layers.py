@@ -1,4 +1,5 @@
-"""The package's layer rules (COURSE.md section 4, issue 16 item 6), checked on the source with `ast`.
+"""The package's layer rules (COURSE.md section 4, issue 16 item 6), checked on the source with
+`ast`.
 
 Every module of minillm/ belongs to one layer:
 
@@ -74,7 +75,8 @@ def imported_names(source: str, module: str, is_package: bool) -> list[tuple[int
             if node.level:
                 parts = package.split(".")
                 if node.level - 1 >= len(parts):
-                    raise ValueError(f"{module}:{node.lineno}: relative import beyond the top package")
+                    raise ValueError(f"{module}:{node.lineno}: relative import beyond the "
+                                     "top package")
                 base = ".".join(parts[:len(parts) - (node.level - 1)] + ([base] if base else []))
             found.append((node.lineno, base))
             found += [(node.lineno, f"{base}.{a.name}") for a in node.names if a.name != "*"]
@@ -134,9 +136,9 @@ def test_lab_modules_exist_where_the_lectures_import_them():
               "minillm.lab.viz", "minillm.lab.step_trace", "minillm.lab.radix",
               "minillm.lab.prefix_sim", "minillm.lab.serving_replay", "minillm.lab.capacity"):
         assert m in names and layer_of(m) == "lab", m
-    for old in ("minillm.viz", "minillm.workloads", "minillm.prefix_workloads", "minillm.engine.trace",
-                "minillm.cache.prefix_sim", "minillm.cache.radix", "minillm.serve.replay",
-                "minillm.serve.capacity"):
+    for old in ("minillm.viz", "minillm.workloads", "minillm.prefix_workloads",
+                "minillm.engine.trace", "minillm.cache.prefix_sim", "minillm.cache.radix",
+                "minillm.serve.replay", "minillm.serve.capacity"):
         assert old not in names, f"{old} is lab equipment: it lives in minillm.lab now"
 
 

@@ -41,7 +41,8 @@ def test_bundled_logits_match_transformers(bundled, hf_bundled):
 
 def test_bundled_batched_logits_match_transformers(bundled, hf_bundled):
     model, _ = bundled
-    ids = torch.randint(0, model.config.vocab_size, (3, 17), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, model.config.vocab_size, (3, 17),
+                        generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         diff = (model(ids) - hf_bundled(ids).logits).abs().max().item()
     assert diff <= TOL
@@ -51,7 +52,8 @@ def test_bundled_batched_logits_match_transformers(bundled, hf_bundled):
 def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
     # 2-4 rows take minillm.model.Linear's transposed product (a decode step's shape).
     model, _ = bundled
-    ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, model.config.vocab_size, shape,
+                        generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         diff = (model(ids) - hf_bundled(ids).logits).abs().max().item()
     assert diff <= TOL
@@ -98,7 +100,8 @@ def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundle
 
 
 def _hf_model(cfg: ModelConfig, seed: int):
-    """transformers' model for `cfg` with weights large enough that a mistake shows in the logits."""
+    """transformers' model for `cfg` with weights large enough that a mistake shows in the
+    logits."""
     torch.manual_seed(seed)
     hf_cfg = to_hf_config(cfg)
     cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
@@ -127,8 +130,8 @@ TINY = [
     ModelConfig(name="tiny-mqa", vocab_size=97, hidden_size=64, intermediate_size=64, num_layers=2,
                 num_heads=4, num_kv_heads=1, head_dim=64, max_position_embeddings=256),
     # Qwen2: GQA 4:1 with q/k/v bias
-    ModelConfig(name="tiny-qwen2", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
-                num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
+    ModelConfig(name="tiny-qwen2", vocab_size=97, hidden_size=64, intermediate_size=96,
+                num_layers=2, num_heads=8, num_kv_heads=2, head_dim=8, max_position_embeddings=256,
                 rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True, arch="qwen2"),
     # Mistral: GQA 2:1
     ModelConfig(name="tiny-mistral", vocab_size=97, hidden_size=32, intermediate_size=64,
@@ -204,7 +207,8 @@ def test_random_weights_are_seeded():
 
 def test_small_random_preset_runs():
     model, tok = minillm.load_model("smollm2-135m", weights="random", device="cpu")
-    assert tok is not None                              # the bundled tokenizer serves random weights too
+    # the bundled tokenizer serves random weights too
+    assert tok is not None
     out = minillm.generate(model, tok, "hello", max_new_tokens=3,
                            sampling=minillm.SamplingParams(temperature=0.0, ignore_eos=True))
     assert len(out) == 3

@@ -42,8 +42,8 @@ def test_environment_yml_matches_pyproject():
 
 def test_course_dependencies_present():
     py = _pyproject()
-    for dep in ("jupyterlab", "torch", "triton", "transformers", "numpy", "matplotlib", "ipywidgets",
-                "nbval", "gguf", "accelerate", "pytest", "hypothesis"):
+    for dep in ("jupyterlab", "torch", "triton", "transformers", "numpy", "matplotlib",
+                "ipywidgets", "nbval", "gguf", "accelerate", "pytest", "hypothesis"):
         assert dep in py, dep
 
 

@@ -15,8 +15,8 @@ from minillm.configs import get
 from minillm.loader import random_model
 
 TOL = 1e-4
-TINY = get("smollm2-135m").with_(name="tiny", num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                                 hidden_size=64, intermediate_size=128, vocab_size=128,
+TINY = get("smollm2-135m").with_(name="tiny", num_layers=2, num_heads=4, num_kv_heads=2,
+                                 head_dim=16, hidden_size=64, intermediate_size=128, vocab_size=128,
                                  max_position_embeddings=256)
 
 

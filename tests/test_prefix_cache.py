@@ -1,4 +1,5 @@
-"""Prefix caching on the block pool (chapter 06): chained keys, LRU free queue, hit rules, no leaks."""
+"""Prefix caching on the block pool (chapter 06): chained keys, LRU free queue, hit rules, no
+leaks."""
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -24,8 +25,8 @@ def test_key_chains_the_whole_prefix_and_the_salt():
     assert hash_block_tokens(a, [5, 6]) != hash_block_tokens(hash_block_tokens(None, [9, 2, 3, 4]),
                                                               [5, 6])  # same tokens, other prefix
     assert hash_block_tokens(None, [1, 2, 3, 4], "tenant-a") != a
-    assert hash_block_tokens(None, [1, 2, 3, 4], "tenant-a") != hash_block_tokens(None, [1, 2, 3, 4],
-                                                                                  "tenant-b")
+    assert (hash_block_tokens(None, [1, 2, 3, 4], "tenant-a")
+            != hash_block_tokens(None, [1, 2, 3, 4], "tenant-b"))
     assert hash_block_tokens(None, [1, 2], None) != hash_block_tokens(None, [2, 1], None)
 
 
@@ -33,7 +34,7 @@ def test_hit_length_rule():
     assert [num_cacheable_blocks(n, 4) for n in (0, 1, 4, 5, 8, 9)] == [0, 0, 0, 1, 1, 2]
 
 
-# --- LRU free queue ---------------------------------------------------------------------------------
+# --- LRU free queue ------------------------------------------------------------------------------
 
 def test_free_tail_first_then_evict_deepest_first_and_revive_on_hit():
     bm = PrefixCachingBlockManager(num_blocks=6, block_size=2)
@@ -114,7 +115,7 @@ def test_stats_count_tokens():
     assert (s.requests, s.queries, s.hits, s.hit_rate) == (2, 200, 64, 0.32)
 
 
-# --- named regressions -------------------------------------------------------------------------------
+# --- named regressions ---------------------------------------------------------------------------
 
 def test_regression_stale_key_dropped_when_block_is_reallocated():
     """A block evicted and rewritten with other tokens must not still answer to its old key."""
@@ -131,7 +132,8 @@ def test_regression_stale_key_dropped_when_block_is_reallocated():
 
 
 def test_regression_fully_cached_prompt_at_exact_block_multiple():
-    """Every block of the prompt is cached: the hit stops one block short, the last token computes."""
+    """Every block of the prompt is cached: the hit stops one block short, the last token
+    computes."""
     bm = PrefixCachingBlockManager(num_blocks=8, block_size=4)
     prompt = list(range(8))
     run(bm, "a", prompt)
@@ -145,7 +147,8 @@ def test_regression_fully_cached_prompt_at_exact_block_multiple():
 
 
 def test_regression_same_prefix_twice_in_one_step_stays_correct_and_leaks_nothing():
-    """Both lookups happen before either forward: both miss, both compute, one block keeps the key."""
+    """Both lookups happen before either forward: both miss, both compute, one block keeps the
+    key."""
     bm = PrefixCachingBlockManager(num_blocks=8, block_size=2)
     prompt = [1, 2, 3, 4, 5]
     ha, hb = bm.find_cached_blocks(prompt), bm.find_cached_blocks(prompt)
@@ -162,7 +165,7 @@ def test_regression_same_prefix_twice_in_one_step_stays_correct_and_leaks_nothin
     assert set(list(bm.pool.free_blocks)[:4]) == set(tb) | {ta[2]}  # duplicates reused first
 
 
-# --- state machine -----------------------------------------------------------------------------------
+# --- state machine -------------------------------------------------------------------------------
 
 class PrefixCacheMachine(RuleBasedStateMachine):
     """Random admissions (with lookups), appends, forks, frees and resets over a small pool.

@@ -26,12 +26,14 @@ PATTERNS = [
     r"\bseed (?:documents?|guides?|material|questions?)\b",
     r"\bin the seeds?\b(?! *(?:=|argument|value|of the|for the|generator))",
     r"\bfrom the seeds?\b(?! *(?:=|argument|value|of the|for the|generator))",
-    r"\b(?:interview|question|answer)[ -](?:documents?|guides?|banks?|answer guides?|questions?|material)"
+    r"\b(?:interview|question|answer)[ -]"
+    r"(?:documents?|guides?|banks?|answer guides?|questions?|material)"
     r"(?: and \w+)? (?:that )?(?:this|the) course (?:draws|drew|is drawn|is based|builds)",
     r"\b(?:this|the) course (?:draws|drew) on\b",
     r"\binterview (?:documents?|guides?) (?:this|the) course\b",
     r"\bthe interview material\b",
-    r"\b(?:one|the same|another|this) (?:interview |answer )?guide (?:says|writes|claims|puts|multiplies|quotes|gets)",
+    r"\b(?:one|the same|another|this) (?:interview |answer )?guide "
+    r"(?:says|writes|claims|puts|multiplies|quotes|gets)",
     r"\binterview guides (?:quote|say|claim|put)",
     r"\bsource material\b",
     r"\bplanning (?:documents?|material)\b",

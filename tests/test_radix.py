@@ -9,25 +9,25 @@ from minillm.lab.radix import RadixCache
 def test_insert_splits_and_match_is_a_prefix_match():
     t = RadixCache()
     assert t.insert([1, 2, 3, 4]) == 0
-    assert t.insert([1, 2, 5]) == 2                                  # shares [1, 2], splits the edge
+    assert t.insert([1, 2, 5]) == 2                  # shares [1, 2], splits the edge
     assert t.sequences() == [(1, 2, 3, 4), (1, 2, 5)]
-    assert t.total_tokens == 5 and t.num_nodes == 3                  # [1,2] -> [3,4] | [5]
+    assert t.total_tokens == 5 and t.num_nodes == 3  # [1,2] -> [3,4] | [5]
     assert t.match_prefix([1, 2, 3, 9])[0] == 3
-    assert t.match_prefix([9, 1, 2, 3])[0] == 0                      # a later run is not a prefix
+    assert t.match_prefix([9, 1, 2, 3])[0] == 0      # a later run is not a prefix
     assert t.match_prefix([3, 4])[0] == 0
 
 
 def test_eviction_takes_lru_unlocked_leaves_first():
     t = RadixCache()
-    t.insert([1, 2, 3])                                              # oldest
+    t.insert([1, 2, 3])                              # oldest
     t.insert([1, 2, 4, 5])
     t.insert([7, 8])
-    t.match_prefix([1, 2, 3])                                        # touched: now most recent
-    assert t.evict(1) == 2                                           # [4, 5] is the LRU leaf
+    t.match_prefix([1, 2, 3])                        # touched: now most recent
+    assert t.evict(1) == 2                           # [4, 5] is the LRU leaf
     assert t.sequences() == [(1, 2, 3), (7, 8)]
     _, node = t.match_prefix([7, 8])
     t.lock(node)
-    assert t.evict(100) == 3                                         # [3], then [1, 2]; [7, 8] locked
+    assert t.evict(100) == 3                         # [3], then [1, 2]; [7, 8] locked
     assert t.sequences() == [(7, 8)] and t.evictable_tokens == 0
     t.unlock(node)
     assert t.evict(100) == 2 and t.total_tokens == 0
@@ -80,7 +80,8 @@ def test_radix_hits_equal_hash_chain_at_block_size_1_and_beat_block_16():
     from minillm.lab.prefix_sim import replay_hash_chain, replay_radix
     from minillm.lab.prefix_workloads import ideal_hit_rate, shared_prefix_prompts
     prompts = shared_prefix_prompts(3, 5, system_len=21, question_len=6, vocab_size=50, seed=1)
-    radix, bs1, bs16 = replay_radix(prompts), replay_hash_chain(prompts, 1), replay_hash_chain(prompts, 16)
+    radix, bs1, bs16 = (replay_radix(prompts), replay_hash_chain(prompts, 1),
+                        replay_hash_chain(prompts, 16))
     assert radix.hit_tokens == bs1.hit_tokens > bs16.hit_tokens > 0
     assert bs16.hit_rate == pytest.approx(ideal_hit_rate(5, 21, 6, 16))
     assert bs16.index_entries < radix.index_entries < bs1.index_entries

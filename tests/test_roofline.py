@@ -22,7 +22,8 @@ def counted_flops(fn) -> int:
 
 
 @pytest.mark.parametrize("cfg", [TINY, TINY.with_(tie_word_embeddings=False, attention_bias=True),
-                                 TINY.with_(num_kv_heads=4)], ids=["tied-gqa", "untied-bias", "mha"])
+                                 TINY.with_(num_kv_heads=4)],
+                         ids=["tied-gqa", "untied-bias", "mha"])
 def test_matmul_params_match_the_linear_layers_of_a_real_model(cfg):
     model, _ = minillm.load_model(cfg, weights="random", device="cpu")
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
@@ -33,10 +34,12 @@ def test_hand_count_of_the_tiny_config():
     # per layer: q 64x64 + k 64x32 + v 64x32 + o 64x64 = 12288; MLP 3 x 64 x 96 = 18432
     # two layers + output head 100 x 64 = 6400
     assert roofline.matmul_params(TINY) == 2 * (12288 + 18432) + 6400
-    # one decode token after 5 cached: keys seen = 6 per query, 4 x 16 FLOPs per key, 4 heads, 2 layers
+    # one decode token after 5 cached: keys seen = 6 per query, 4 x 16 FLOPs per key,
+    # 4 heads, 2 layers
     assert roofline.attention_flops(TINY, num_tokens=1, context=5) == 2 * 4 * 4 * 16 * 6
     # causal prefill of 3 tokens: queries see 1 + 2 + 3 keys
-    assert roofline.attention_flops(TINY, num_tokens=3, context=0, batch=2) == 2 * 2 * 4 * 4 * 16 * 6
+    assert (roofline.attention_flops(TINY, num_tokens=3, context=0, batch=2)
+            == 2 * 2 * 4 * 4 * 16 * 6)
 
 
 @pytest.mark.parametrize("batch,context", [(1, 4), (3, 7), (2, 20)])
@@ -45,7 +48,8 @@ def test_decode_flops_match_flop_counter_on_a_random_model(batch, context):
     cache = ContiguousKVCache(TINY, batch, context + 1)
     cache.seq_len = context                          # what is in the cache does not change FLOPs
     ids = torch.randint(0, TINY.vocab_size, (batch, 1))
-    assert counted_flops(lambda: model(ids, cache=cache)) == roofline.forward_flops(TINY, 1, context, batch)
+    assert (counted_flops(lambda: model(ids, cache=cache))
+            == roofline.forward_flops(TINY, 1, context, batch))
 
 
 @pytest.mark.parametrize("last_only", [False, True])
@@ -73,9 +77,11 @@ def test_flops_scale_with_tokens_and_bytes_with_batch_only_through_kv():
     b1 = roofline.bytes_moved(cfg, batch=1, num_tokens=1, context=100)
     b4 = roofline.bytes_moved(cfg, batch=4, num_tokens=1, context=100)
     assert b4 - b1 == 3 * 101 * kv
-    assert b1 == kvmath.weight_bytes(cfg, "bfloat16") - cfg.vocab_size * cfg.hidden_size * 2 + 101 * kv
+    assert b1 == (kvmath.weight_bytes(cfg, "bfloat16") - cfg.vocab_size * cfg.hidden_size * 2
+                  + 101 * kv)
     # fp32 doubles every byte
-    assert roofline.bytes_moved(cfg, 2, 1, 100, "float32") == 2 * roofline.bytes_moved(cfg, 2, 1, 100, "bf16")
+    assert (roofline.bytes_moved(cfg, 2, 1, 100, "float32")
+            == 2 * roofline.bytes_moved(cfg, 2, 1, 100, "bf16"))
     # a separate KV dtype changes only the KV part
     fp8kv = roofline.bytes_moved(cfg, 1, 1, 100, "bf16", kv_dtype="fp8")
     assert b1 - fp8kv == 101 * kv // 2
@@ -155,7 +161,8 @@ def test_plot_roofline_draws_roof_ridge_and_points():
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots()
-    roofline.plot_roofline(ax, 1e11, 1e12, "test", points={"on roof": 1.0, "measured": (100.0, 5e11)})
+    roofline.plot_roofline(ax, 1e11, 1e12, "test",
+                           points={"on roof": 1.0, "measured": (100.0, 5e11)})
     roof = ax.get_lines()[0]
     x, y = roof.get_xdata(), roof.get_ydata()
     assert y.max() == 1e12 and math.isclose(y[0], x[0] * 1e11)

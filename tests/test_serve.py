@@ -257,7 +257,8 @@ def test_completion_stream_equals_nonstream(client, tok, prompt, max_tokens):
 def test_usage_reports_the_prompt_tokens_served_from_the_prefix_cache(client, tok):
     """usage.prompt_tokens_details.cached_tokens, as OpenAI's API names it: 0 the first time a
     long prompt is seen, whole 16-token blocks of it the second time, streamed or not."""
-    prompt = " ".join(f"item {i} of a list that is long enough to fill several blocks" for i in range(8))
+    prompt = " ".join(f"item {i} of a list that is long enough to fill several blocks"
+                      for i in range(8))
     n_prompt = len(tok.encode(prompt))
     assert n_prompt > 64
     kw = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
@@ -620,7 +621,8 @@ def test_replay_advances_its_virtual_clock_by_the_step_cost():
     tiny = random_model(cfg, "cpu", torch.float32)
     cost = StepCost(fixed=0.04, per_token=0.002, per_seq=0.001)
     run = replay_serving(tiny, poisson_trace([[1] * 16] * 8, [5] * 8, float("inf")), cost,
-                         max_num_seqs=8, num_kv_blocks=16, block_size=16, max_num_batched_tokens=128)
+                         max_num_seqs=8, num_kv_blocks=16, block_size=16,
+                         max_num_batched_tokens=128)
     # step 1: 8 prompts of 16 tokens; steps 2-5: 8 decodes
     assert [(s.num_tokens, s.num_seqs) for s in run.steps] == [(128, 8)] + [(8, 8)] * 4
     assert run.end_time == pytest.approx(cost(128, 8) + 4 * cost(8, 8))

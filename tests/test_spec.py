@@ -404,7 +404,7 @@ def test_engine_seam_reexports_the_one_verifier():
         verify(logits, [1, 2], None, sp, make_generator(3))
 
 
-# --- the learned draft's weights --------------------------------------------------------------------
+# --- the learned draft's weights -----------------------------------------------------------------
 def test_medusa_heads_roundtrip_and_refuse_another_model(tmp_path, tiny):
     heads = spec.MedusaHeads.for_model(tiny, 2)
     torch.nn.init.normal_(heads.proj[0].weight, std=0.1)
@@ -414,7 +414,7 @@ def test_medusa_heads_roundtrip_and_refuse_another_model(tmp_path, tiny):
     h = torch.randn(3, 64)
     assert torch.allclose(back(h), heads(h).float(), atol=1e-2)
     with pytest.raises(ValueError, match="make train-draft"):
-        spec.MedusaHeads.load(path, tiny_model(seed=5, layers=3))         # same shape, other weights
+        spec.MedusaHeads.load(path, tiny_model(seed=5, layers=3))  # same shape, other weights
     other = random_model(tiny.config.with_(hidden_size=32, head_dim=8), "cpu", torch.float32)
     with pytest.raises(ValueError, match="hidden size 64"):
         spec.MedusaHeads.load(path, other)

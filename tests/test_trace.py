@@ -1,4 +1,5 @@
-"""minillm.lab.step_trace: the step recorder (run_trace, describe) and the model-free replay_schedule.
+"""minillm.lab.step_trace: the step recorder (run_trace, describe) and the model-free
+replay_schedule.
 
 The recorder must report what the engine did, not what it expects: its per-step token counts are
 checked against the engine's own StepStats, preemption victims against a run forced to preempt,
@@ -37,7 +38,8 @@ def test_run_trace_records_what_the_engine_did(model):
     # the engine's own per-step counts, one for one
     assert [rec["tokens"] for rec in busy] == [s.num_batched_tokens for s in run.engine.step_stats]
     # every prompt token once, every output token but the last once: nothing lost, nothing extra
-    assert sum(rec["tokens"] for rec in busy) == sum(len(p) + m - 1 for p, m in zip(PROMPTS, MAX_TOKENS))
+    assert (sum(rec["tokens"] for rec in busy)
+            == sum(len(p) + m - 1 for p, m in zip(PROMPTS, MAX_TOKENS)))
     assert all(len(rec["scheduled"]) <= 2 for rec in run.steps)
     assert sorted(run.outputs) == [f"r{i}" for i in range(len(PROMPTS))]
     assert all(len(run.outputs[f"r{i}"].token_ids) == m for i, m in enumerate(MAX_TOKENS))
@@ -53,7 +55,8 @@ def test_run_trace_records_what_the_engine_did(model):
 def test_run_trace_records_preemption_victims(model):
     for mode in ("recompute", "swap"):
         run = run_trace(model, mode, PROMPTS, [30] * 5, [0] * 5, block_size=4, num_kv_blocks=12,
-                        max_num_seqs=4, max_num_batched_tokens=64, preemption=mode, **NO_PREFIX_CACHE)
+                        max_num_seqs=4, max_num_batched_tokens=64, preemption=mode,
+                        **NO_PREFIX_CACHE)
         victims = [v for rec in run.steps for v in rec["preempted"]]
         assert len(victims) == run.engine.num_preemptions > 0
         for rec in run.steps:
@@ -85,7 +88,8 @@ def test_describe_reads_the_record_and_uses_singulars(model):
 
 
 def test_replay_schedules_like_the_engine(model):
-    trace = [(a, f"r{i}", len(p), m) for i, (a, p, m) in enumerate(zip(ARRIVE, PROMPTS, MAX_TOKENS))]
+    trace = [(a, f"r{i}", len(p), m)
+             for i, (a, p, m) in enumerate(zip(ARRIVE, PROMPTS, MAX_TOKENS))]
     for budget, chunked in ((4, True), (64, False)):
         engine = LLMEngine(model, block_size=16, num_kv_blocks=64, max_num_seqs=4,
                            max_num_batched_tokens=budget, enable_chunked_prefill=chunked,

@@ -41,7 +41,8 @@ def test_clipping_is_counted_and_every_request_fits(mix, context_len):
     p, o = sample_lengths(mix, 2000, np.random.default_rng(7), context_len)
     p = np.maximum(1, np.round(p)).astype(int)
     o = np.maximum(1, np.round(o)).astype(int)
-    expected = int(((p > context_len - 1) | (np.minimum(p, context_len - 1) + o > context_len)).sum())
+    expected = int(((p > context_len - 1)
+                    | (np.minimum(p, context_len - 1) + o > context_len)).sum())
     assert w.num_clipped == expected
     assert [r.clipped for r in w].count(True) == expected
 

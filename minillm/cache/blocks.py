@@ -45,7 +45,8 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ValueError("num_blocks and block_size must be >= 1, got "
+                             f"{num_blocks} and {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -261,8 +262,9 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has a block table; prefix hits are for "
                              "a new sequence")
         if len(cached_blocks) * self.block_size >= num_tokens:
-            raise ValueError(f"{len(cached_blocks)} cached blocks already hold {num_tokens} tokens; "
-                             "a hit leaves at least one token to compute (see find_cached_blocks)")
+            raise ValueError(f"{len(cached_blocks)} cached blocks already hold {num_tokens} "
+                             "tokens; a hit leaves at least one token to compute "
+                             "(see find_cached_blocks)")
 
     def can_allocate(self, seq_id, num_tokens: int, cached_blocks=()) -> bool:
         return self.blocks_needed(seq_id, num_tokens, cached_blocks) <= self.pool.num_free_blocks
@@ -305,7 +307,8 @@ class BlockManager:
         rejected drafts, chapter 07): blocks past them go back to the pool."""
         table, n = self._table(seq_id), self.lengths[seq_id]
         if not 0 <= num_tokens <= n:
-            raise ValueError(f"sequence {seq_id!r} holds {n} tokens; cannot truncate to {num_tokens}")
+            raise ValueError(f"sequence {seq_id!r} holds {n} tokens; "
+                             f"cannot truncate to {num_tokens}")
         keep = -(-num_tokens // self.block_size)
         while len(table) > keep:
             self.pool.decref(table.pop())

@@ -196,7 +196,7 @@ class PagedKVCache:
                                             self.block_size)
 
     def advance(self, num_tokens: int) -> None:
-        self._meta = None                                         # the next forward needs a new step
+        self._meta = None                                 # the next forward needs a new step
 
     # -- block copies ---------------------------------------------------------------------------
     def copy_blocks(self, pairs) -> None:
@@ -272,8 +272,8 @@ class SimplePagedKVCache(PagedKVCache):
         bm, start, end = self.block_manager, self._seq_len, self._seq_len + num_tokens
         need = sum(bm.blocks_needed(s, end) for s in self.seq_ids)
         if need > bm.num_free_blocks:
-            raise ValueError(f"out of KV blocks: this step needs {need}, {bm.num_free_blocks} free; "
-                             "create the cache with more blocks")
+            raise ValueError(f"out of KV blocks: this step needs {need}, "
+                             f"{bm.num_free_blocks} free; create the cache with more blocks")
         for s in self.seq_ids:
             self.copy_blocks(bm.allocate(s, end))
         self.prepare_step([(s, start, end) for s in self.seq_ids])

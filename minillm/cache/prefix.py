@@ -43,7 +43,8 @@ import xxhash
 from .blocks import BlockManager, BlockPool
 
 
-def hash_block_tokens(parent_key: Optional[int], token_ids, cache_salt: Optional[str] = None) -> int:
+def hash_block_tokens(parent_key: Optional[int], token_ids,
+                      cache_salt: Optional[str] = None) -> int:
     """The key of a full block: xxh3-64 of (parent key, salt, this block's token ids).
 
     parent_key is None for a sequence's first block; the salt only enters there (the chain
@@ -103,8 +104,8 @@ class PrefixCache:
 
         hits = bm.find_cached_blocks(token_ids, cache_salt)    # longest cached prefix, in blocks
         if bm.can_allocate(seq_id, num_tokens, hits):
-            bm.allocate(seq_id, num_tokens, hits)               # table = hits + fresh blocks
-        ...                                                     # compute from len(hits) * block_size
+            bm.allocate(seq_id, num_tokens, hits)              # table = hits + fresh blocks
+        ...                                                    # compute from len(hits) * block_size
         bm.cache_full_blocks(seq_id, num_computed, get_tokens, cache_salt)   # after the forward
 
     Blocks are registered after their K/V is computed, never before, so no request can hit a
@@ -127,7 +128,8 @@ class PrefixCache:
     def find_cached_blocks(self, token_ids, cache_salt: Optional[str] = None) -> list[int]:
         """Block ids of the longest cached prefix of token_ids (full blocks, last token never)."""
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string or None, got {type(cache_salt).__name__}")
+            raise ValueError("cache_salt must be a string or None, got "
+                             f"{type(cache_salt).__name__}")
         bs, parent, hits = self.block_size, None, []
         for i in range(num_cacheable_blocks(len(token_ids), bs)):
             block = token_ids[i * bs:(i + 1) * bs]
@@ -175,7 +177,7 @@ class PrefixCache:
         if not todo:
             self.pending_by_seq.pop(seq_id, None)
 
-    # --- registration ------------------------------------------------------------------------------
+    # --- registration --------------------------------------------------------------------------
     def cache_block(self, block_id: int, token_ids, parent: Optional[CachedBlock],
                     cache_salt: Optional[str]) -> Optional[CachedBlock]:
         """Register a full, computed block under its chained key. Returns the entry that now

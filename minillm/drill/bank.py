@@ -51,7 +51,8 @@ class Instance:
     question: "Question"
     seed: object
     prompt: str
-    answer: str                            # model answer (concept), value with unit (numeric), letter + text (options)
+    answer: str                            # model answer (concept), value with unit (numeric),
+                                           # letter + text (options)
     value: Optional[float] = None          # numeric only, in the base unit of `dimension`
     dimension: str = ""
     options: list = field(default_factory=list)   # lettered kinds: option texts in display order
@@ -82,7 +83,8 @@ class Instance:
         head = (f"Correct ({shown}, {tol})." if ok else
                 f"Not quite: you gave {shown}; the answer is {self.answer}, accepted {tol}."
                 + (f" {slip[0].upper()}{slip[1:]}." if slip else ""))
-        return Grade(1.0 if ok else 0.0, f"{head}\nWorking: {n.working}\n{self.question.see_also()}")
+        return Grade(1.0 if ok else 0.0,
+                     f"{head}\nWorking: {n.working}\n{self.question.see_also()}")
 
     # --- concept -------------------------------------------------------------------------
     def _grade_concept(self, response) -> Grade:
@@ -142,7 +144,8 @@ class Question:
     fact: str = ""                          # lettered kinds: the explanation / correct fact
     metrics: tuple = ()                     # scenario: ((name, low, high, unit), ...)
     generator: str = ""                     # numeric
-    params: tuple = ()                      # numeric: generator options as sorted (key, value) pairs
+    params: tuple = ()                      # numeric: generator options as sorted
+                                            # (key, value) pairs
     source_file: str = ""
 
     @property

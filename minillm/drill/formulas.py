@@ -67,7 +67,8 @@ def prefix_cached_tokens(prefix_len: int, block_size: int) -> int:
 
 def recompute_flop_ratio(num_tokens: int) -> float:
     """Token-positions processed to generate num_tokens tokens without a cache (re-run the whole
-    prefix each step: 1 + 2 + ... + N) over with a cache (one position per step: N) = (N + 1) / 2."""
+    prefix each step: 1 + 2 + ... + N) over with a cache (one position per step: N)
+    = (N + 1) / 2."""
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     return (num_tokens + 1) / 2

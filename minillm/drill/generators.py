@@ -60,8 +60,9 @@ def _cfg_line(cfg) -> str:
 def _kv_working(cfg, dtype) -> str:
     b = kvmath.dtype_bytes(dtype)
     if cfg.attention == "mla":
-        return (f"{cfg.num_layers} layers x ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) x {b:g} B "
-                f"= {kvmath.kv_bytes_per_token(cfg, dtype):,} B per token (no factor 2: one latent, not K and V)")
+        return (f"{cfg.num_layers} layers x ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) "
+                f"x {b:g} B = {kvmath.kv_bytes_per_token(cfg, dtype):,} B per token "
+                f"(no factor 2: one latent, not K and V)")
     return (f"2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} KV heads x {cfg.head_dim} "
             f"x {b:g} B = {kvmath.kv_bytes_per_token(cfg, dtype):,} B per token")
 
@@ -217,8 +218,8 @@ def gqa_saving(rng, **o) -> Numeric:
              if cfg.attention == "mla" else
              f"{cfg.num_heads} query heads / {cfg.num_kv_heads} KV heads")
     return Numeric(
-        f"How many times smaller is {cfg.name}'s KV cache than it would be if every query head kept "
-        f"its own K and V (plain multi-head attention)? ({_cfg_line(cfg)}.)",
+        f"How many times smaller is {cfg.name}'s KV cache than it would be if every query head "
+        f"kept its own K and V (plain multi-head attention)? ({_cfg_line(cfg)}.)",
         v, "ratio", f"{mha:,} B / {kv:,} B per token = {v:.3g}x ({extra})",
         dict(model=cfg.name), rel_tol=0.01)
 
@@ -261,7 +262,8 @@ def ridge(rng, **o) -> Numeric:
     return Numeric(
         f"{gpu.name}: {gpu.bf16_flops / 1e12:g} TFLOP/s dense BF16, {gpu.bandwidth / 1e12:g} TB/s. "
         f"At what arithmetic intensity (FLOP per byte) does a kernel stop being memory-bound?",
-        v, "flop_per_byte", f"{gpu.bf16_flops:.4g} FLOP/s / {gpu.bandwidth:.4g} B/s = {v:.1f} FLOP/byte",
+        v, "flop_per_byte",
+        f"{gpu.bf16_flops:.4g} FLOP/s / {gpu.bandwidth:.4g} B/s = {v:.1f} FLOP/byte",
         dict(gpu=gpu.name), rel_tol=0.02)
 
 
@@ -282,11 +284,13 @@ def decode_step_time(rng, **o) -> Numeric:
     w = roofline.weight_read_params(cfg)
     return Numeric(
         f"{cfg.name} in BF16 ({w:,} parameters read per step; {_cfg_line(cfg)}) decodes a batch "
-        f"of {batch} sequence{'s' if batch > 1 else ''}, each with {ctx:,} tokens cached, on an {gpu.name} "
-        f"({gpu.bandwidth / 1e12:g} TB/s). What is the lower bound on one decode step's time set "
-        f"by memory bandwidth (weights read once, every sequence's KV read, new KV written)?",
-        v, "seconds", f"({w:,} x 2 B weights + {batch} x {ctx:,} x {kvmath.kv_bytes_per_token(cfg):,} B "
-        f"KV read + {batch} x {kvmath.kv_bytes_per_token(cfg):,} B written) = {fmt_bytes(nbytes)}; "
+        f"of {batch} sequence{'s' if batch > 1 else ''}, each with {ctx:,} tokens cached, "
+        f"on an {gpu.name} ({gpu.bandwidth / 1e12:g} TB/s). What is the lower bound on one "
+        f"decode step's time set by memory bandwidth (weights read once, every sequence's KV "
+        f"read, new KV written)?",
+        v, "seconds", f"({w:,} x 2 B weights + {batch} x {ctx:,} x "
+        f"{kvmath.kv_bytes_per_token(cfg):,} B KV read + {batch} x "
+        f"{kvmath.kv_bytes_per_token(cfg):,} B written) = {fmt_bytes(nbytes)}; "
         f"/ {gpu.bandwidth:.4g} B/s = {fmt_seconds(v)}",
         dict(model=cfg.name, gpu=gpu.name, batch=batch, context=ctx), rel_tol=0.03, unit="ms")
 
@@ -415,9 +419,9 @@ def contiguous_waste(rng, **o) -> Numeric:
     waste = formulas.contiguous_waste_slots(lens, max_len)
     v = waste / (max_len * len(lens))
     return Numeric(
-        f"Every request reserves a contiguous slab of {max_len:,} token slots (the model's maximum) "
-        f"and the requests end up with {', '.join(map(str, lens))} tokens. What fraction of the "
-        f"reserved slots is never used?",
+        f"Every request reserves a contiguous slab of {max_len:,} token slots (the model's "
+        f"maximum) and the requests end up with {', '.join(map(str, lens))} tokens. What "
+        f"fraction of the reserved slots is never used?",
         v, "fraction", f"1 - {sum(lens):,} / ({len(lens)} x {max_len:,}) = {v:.3f}",
         dict(lengths=lens, max_len=max_len), rel_tol=0.01, abs_tol=0.002)
 
@@ -455,7 +459,8 @@ def prefix_savings(rng, **o) -> Numeric:
     return Numeric(
         f"{n} requests share the same {prefix}-token system prompt (then differ). A block-level "
         f"prefix cache with blocks of {bs} tokens is on and the first request computed and cached "
-        f"the prefix. How many prompt tokens in total do the other {n - 1} requests skip computing?",
+        f"the prefix. How many prompt tokens in total do the other {n - 1} requests skip "
+        f"computing?",
         v, "count", f"only full blocks are cached: floor({prefix}/{bs}) x {bs} = {per} tokens per "
         f"request; x {n - 1} = {v:,}", dict(prefix=prefix, n=n, block_size=bs), rel_tol=0.0)
 
@@ -504,8 +509,8 @@ def spec_tokens_per_step(rng, **o) -> Numeric:
     v = theory.expected_tokens(alpha, k)
     return Numeric(
         f"k = {k} draft tokens, each accepted with probability alpha = {alpha} (independently, "
-        f"stopping at the first rejection). Expected tokens emitted per verification step, counting "
-        f"the target's own corrected or bonus token?",
+        f"stopping at the first rejection). Expected tokens emitted per verification step, "
+        f"counting the target's own corrected or bonus token?",
         v, "count", f"1 + {alpha} + {alpha}^2 + ... + {alpha}^{k} = (1 - {alpha}^{k + 1}) / "
         f"(1 - {alpha}) = {v:.3f}", dict(alpha=alpha, k=k), rel_tol=0.01)
 
@@ -555,8 +560,8 @@ def e2e_latency(rng, **o) -> Numeric:
     n = rng.choice([50, 128, 256, 500])
     v = formulas.request_latency(ttft, tpot, n)
     return Numeric(
-        f"TTFT is {ttft * 1e3:g} ms, TPOT (mean gap after the first token) is {tpot * 1e3:g} ms, and "
-        f"the reply has {n} tokens. End-to-end latency?",
+        f"TTFT is {ttft * 1e3:g} ms, TPOT (mean gap after the first token) is {tpot * 1e3:g} ms, "
+        f"and the reply has {n} tokens. End-to-end latency?",
         v, "seconds", f"TTFT + (n - 1) x TPOT = {ttft} + {n - 1} x {tpot} = {v:.4g} s",
         dict(ttft=ttft, tpot=tpot, n=n), rel_tol=0.005, unit="s")
 
@@ -583,9 +588,9 @@ def swap_time(rng, **o) -> Numeric:
     nbytes = kvmath.kv_bytes_per_sequence(cfg, n)
     v = 2 * formulas.transfer_seconds(nbytes, bw * 1e9)
     return Numeric(
-        f"A {n:,}-token sequence of {cfg.name} (BF16 KV; {_cfg_line(cfg)}) is preempted by swapping "
-        f"its KV to CPU memory and later swapped back, over a {bw} GB/s host link. Transfer time "
-        f"out and in together?",
+        f"A {n:,}-token sequence of {cfg.name} (BF16 KV; {_cfg_line(cfg)}) is preempted by "
+        f"swapping its KV to CPU memory and later swapped back, over a {bw} GB/s host link. "
+        f"Transfer time out and in together?",
         v, "seconds", f"{fmt_bytes(nbytes)} x 2 directions / {bw} GB/s = {fmt_seconds(v)}",
         dict(model=cfg.name, seq_len=n, bw_gb=bw), rel_tol=0.02, unit="ms")
 

@@ -55,7 +55,8 @@ class MockResult:
     phases: list = field(default_factory=list)
     estimate: float = None                  # candidate's concurrency estimate
     truth: object = None                    # kvmath.CapacityPlan
-    followups: list = field(default_factory=list)   # (question id, prompt, response, score, feedback)
+    followups: list = field(default_factory=list)   # (question id, prompt, response, score,
+                                                    #  feedback)
     rubric: dict = field(default_factory=dict)       # criterion -> (score 1-5, why)
     report_path: Path = None
 
@@ -130,7 +131,8 @@ def run_mock(seed=0, input_fn: Callable = input, output_fn: Callable = print,
             _followups(result, prompt, rng, num_followups, input_fn, output_fn)
         used = clock() - t0
         text = notes.lower()
-        hits = [p["says"] for p in phase["checklist"] if any(re.search(rx, text) for rx in p["any"])]
+        hits = [p["says"] for p in phase["checklist"]
+                if any(re.search(rx, text) for rx in p["any"])]
         missed = [p["says"] for p in phase["checklist"] if p["says"] not in hits]
         pr = PhaseResult(phase["name"], budget, used, notes, hits, missed)
         result.phases.append(pr)
@@ -188,7 +190,8 @@ def _score(result: MockResult, data: dict) -> None:
             return 1, "phase not reached"
         total = len(p.hits) + len(p.missed)
         return _coverage_score(len(p.hits), total), (
-            f"covered {len(p.hits)}/{total}" + (f"; missing: {', '.join(p.missed)}" if p.missed else ""))
+            f"covered {len(p.hits)}/{total}"
+            + (f"; missing: {', '.join(p.missed)}" if p.missed else ""))
 
     r = {}
     r["requirements"] = cov("clarify")
@@ -227,7 +230,8 @@ def write_report(result: MockResult, report_dir=None) -> Path:
         lines.append(f"| {ph.name} | {ph.budget_s / 60:.0f} min | {ph.used_s / 60:.1f} min | "
                      f"{ph.over_s / 60:.1f} min |")
     total_used = sum(ph.used_s for ph in result.phases) / 60
-    lines += ["", f"Total: {total_used:.1f} of {sum(ph.budget_s for ph in result.phases) / 60:.0f} min.",
+    lines += ["", f"Total: {total_used:.1f} of "
+              f"{sum(ph.budget_s for ph in result.phases) / 60:.0f} min.",
               "", "## Capacity estimate", "",
               f"Your estimate: {'none' if result.estimate is None else f'{result.estimate:,.0f}'} "
               f"sequences of {t.context_len:,} tokens.",

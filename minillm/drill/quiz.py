@@ -66,7 +66,8 @@ def run_quiz(questions: list[Question], n: int = 10, seed=0, input_fn: Callable 
         if progress is not None:
             progress.record(q.id, grade.score, seed)
     total = sum(scores.values())
-    output_fn(f"\nScore: {total:.2f} / {len(scores)}" + (f" ({total / len(scores):.0%})" if scores else ""))
+    output_fn(f"\nScore: {total:.2f} / {len(scores)}"
+              + (f" ({total / len(scores):.0%})" if scores else ""))
     for topic, s in sorted(by_topic.items()):
         output_fn(f"  {topic}: {sum(s):.2f} / {len(s)}")
     if progress is not None:

@@ -29,7 +29,8 @@ def load_json(path: Path, default, warn=None):
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         if not isinstance(data, type(default)):
-            raise ValueError(f"expected a JSON {type(default).__name__}, found {type(data).__name__}")
+            raise ValueError(f"expected a JSON {type(default).__name__}, "
+                             f"found {type(data).__name__}")
         return data
     except (ValueError, UnicodeDecodeError) as exc:
         aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -114,7 +114,8 @@ def parse_quantity(text: str, dimension: str, default_unit: str = "") -> Quantit
 
 
 def fmt_bytes(n: float) -> str:
-    """A byte count in bytes and in the nearest binary and decimal units: '327,680 B (320 KiB, 0.33 MB)'."""
+    """A byte count in bytes and in the nearest binary and decimal units:
+    '327,680 B (320 KiB, 0.33 MB)'."""
     n = float(n)
     if abs(n) < 1024:
         return f"{n:,.0f} B"

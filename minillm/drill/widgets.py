@@ -15,7 +15,8 @@ def flashcards(questions, seed=0) -> W.VBox:
     def render(reveal=False):
         q = questions[state["i"] % len(questions)]
         inst = q.instance(seed)
-        counter.value = f"card {state['i'] % len(questions) + 1} / {len(questions)} · {q.topic} · {q.id}"
+        counter.value = (f"card {state['i'] % len(questions) + 1} / {len(questions)} · "
+                         f"{q.topic} · {q.id}")
         out.clear_output()
         with out:
             print(inst.prompt)

@@ -250,7 +250,8 @@ class LLMEngine:
         return self._step_output(sched, stats, update, finished, self.clock() - start)
 
     def _check_progress(self, sched) -> None:
-        """Record this step's forks in their groups; an empty plan with requests pending is a bug."""
+        """Record this step's forks in their groups; an empty plan with requests pending is a
+        bug."""
         for child, parent in sched.forks:
             self.groups[parent.request_id].append(child)
         if sched.is_empty and self.scheduler.has_unfinished():

@@ -94,7 +94,8 @@ class ModelRunner:
         self.copy_blocks(sched)
         with capture_hidden(self.model, self.needs_hidden) as cap:
             logits, samplers = self._forward(sched.scheduled, out.errors)          # [S, V]
-        hidden = cap.value[0] if cap.value is not None and cap.value.shape[1] == len(logits) else None
+        hidden = (cap.value[0] if cap.value is not None and cap.value.shape[1] == len(logits)
+                  else None)
         for child, parent in sched.forks:       # siblings sample from their parent's row
             row = next((r for req, r, _ in samplers if req is parent), None)
             if row is None:

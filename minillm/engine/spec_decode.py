@@ -100,7 +100,8 @@ def parse_speculative_config(config) -> dict:
     if k > MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"num_speculative_tokens={k} is too large: at most "
                          f"{MAX_SPECULATIVE_TOKENS} (acceptance falls geometrically with the "
-                         "draft position, so long drafts only waste verification work; 2-8 is usual)")
+                         "draft position, so long drafts only waste verification work; "
+                         "2-8 is usual)")
     for key in sorted(set(config) & set(owners)):
         if owners[key] != method:
             raise ValueError(f"{key} is for method {owners[key]!r}, not {method!r}; remove it")

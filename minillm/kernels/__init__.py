@@ -13,9 +13,9 @@ TRITON_INTERPRET=1 set before this package first imports a kernel (Triton decide
 definition time whether it compiles or interprets). The Triton modules are imported only when
 first used, so the references work where Triton is not installed.
 
-Files: reference.py (the twins), batched.py (the fast CPU path), store_kv_kernel.py, paged_decode.py (single-pass and split-KV
-decode, and the rule that picks one), paged_prefill.py, checks.py (input checks),
-compile_check.py (compile the kernels for a GPU on a machine without one).
+Files: reference.py (the twins), batched.py (the fast CPU path), store_kv_kernel.py,
+paged_decode.py (single-pass and split-KV decode, and the rule that picks one), paged_prefill.py,
+checks.py (input checks), compile_check.py (compile the kernels for a GPU on a machine without one).
 
 Keyword-only extras (not part of the vLLM-style signature):
     impl          None (by device: "triton" on CUDA, "torch" elsewhere) | "triton" | "torch"

@@ -11,7 +11,8 @@ the course watches one work.
     prefix_workloads.py  shared-prefix and multi-turn prompts with a known hit rate, ch. 06
     radix.py             RadixCache: SGLang's radix tree, the lecture's comparison, ch. 06
     prefix_sim.py        replay_hash_chain / replay_radix -> PrefixReplayResult, ch. 06
-    serving_replay.py    replay_serving: the real engine on a virtual clock -> ServingReplayResult, ch. 08
+    serving_replay.py    replay_serving: the real engine on a virtual clock -> ServingReplayResult,
+                         ch. 08
     capacity.py          Little's law, cost per token, step memory, ch. 08 (and the drill)
 
 Layer rule (tests/test_layers.py): the lab imports the engine (model, cache, kernels, engine,

@@ -1,9 +1,9 @@
 """The contiguous KV arena of chapter 02: many requests sharing one preallocated KV tensor.
 
     arena = ContiguousArena.from_config(cfg, capacity_tokens=8 * 2048)   # real k/v tensors
-    slab = arena.allocate("r0", 2048)       # first-fit (or best-fit) max-length reservation
-    model(ids, cache=slab)                  # a Slab is a KV cache for one sequence
-    arena.stats()                           # reserved / used / free, internal and external fragmentation
+    slab = arena.allocate("r0", 2048)  # first-fit (or best-fit) max-length reservation
+    model(ids, cache=slab)             # a Slab is a KV cache for one sequence
+    arena.stats()                      # reserved / used / free, internal and external fragmentation
     arena.free("r0")
 
 Lab equipment (`minillm.lab`): the engine never uses it. It shows, on real memory, the waste
@@ -47,8 +47,8 @@ class Slab:
 
     def _check_room(self, num_tokens: int) -> None:
         if self.seq_len + num_tokens > self.length:
-            raise ValueError(f"request {self.req_id!r}: {self.seq_len + num_tokens} tokens needed but "
-                             f"its slab holds {self.length}; reserve a larger max_len for it")
+            raise ValueError(f"request {self.req_id!r}: {self.seq_len + num_tokens} tokens needed "
+                             f"but its slab holds {self.length}; reserve a larger max_len for it")
 
     def attend(self, layer: int, q, k, v):
         """q [1, T, H, D], k/v [1, T, KVH, D] -> [1, T, H, D]."""
@@ -63,7 +63,8 @@ class Slab:
         start, end = self.seq_len, self.seq_len + T
         self.k[layer, start:end] = k[0]
         self.v[layer, start:end] = v[0]
-        return causal_attention(q, self.k[layer, None, :end], self.v[layer, None, :end], q_start=start)
+        return causal_attention(q, self.k[layer, None, :end], self.v[layer, None, :end],
+                                q_start=start)
 
     def advance(self, num_tokens: int) -> None:
         self.seq_len += num_tokens
@@ -207,7 +208,8 @@ class ContiguousArena:
         owner = np.full(self.capacity, -1, dtype=np.int64)
         written = np.zeros(self.capacity, dtype=bool)
         for s in self.slabs.values():
-            code = s.req_id if isinstance(s.req_id, int) and s.req_id >= 0 else abs(hash(s.req_id)) % 2**31
+            code = (s.req_id if isinstance(s.req_id, int) and s.req_id >= 0
+                    else abs(hash(s.req_id)) % 2**31)
             owner[s.start:s.start + s.length] = code
             written[s.start:s.start + s.seq_len] = True
         return owner, written

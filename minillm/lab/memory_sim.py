@@ -49,10 +49,11 @@ class MemoryTrace:
             # per request, at the end of its life: reserved but never written
             "wasted_fraction": 1 - written / reserved if reserved else 0.0,
             # averaged over steps: reserved but not written yet, over reserved
-            "mean_internal_fragmentation": (sum(s["internal_fragmentation"] for s in busy) / len(busy)
-                                            if busy else 0.0),
+            "mean_internal_fragmentation": (sum(s["internal_fragmentation"] for s in busy)
+                                            / len(busy) if busy else 0.0),
             "mean_used_fraction_of_capacity": (sum(s["used_tokens"] for s in self.steps)
-                                               / (self.capacity * len(self.steps)) if self.steps else 0.0),
+                                               / (self.capacity * len(self.steps))
+                                               if self.steps else 0.0),
             "steps_blocked_by_fragmentation": sum(s["blocked"] == "fragmented" for s in self.steps),
             "requests_blocked_by_fragmentation": sum(r.get("blocked_fragmented", False)
                                                      for r in self.requests.values()),
@@ -62,8 +63,10 @@ class MemoryTrace:
 
 
 def simulate_arena(requests, arena: ContiguousArena, step_time: float = 0.05,
-                   max_steps: int = 1_000_000, map_every: int = 1, map_bins: int = 256) -> MemoryTrace:
-    """Run a workload trace (e.g. `minillm.lab.workloads.make_workload(...).requests`) through the arena.
+                   max_steps: int = 1_000_000, map_every: int = 1,
+                   map_bins: int = 256) -> MemoryTrace:
+    """Run a workload trace (e.g. `minillm.lab.workloads.make_workload(...).requests`) through
+    the arena.
 
     Each step, in order:
       1. admit arrived requests first-come-first-served while a slab of `max_len_reserved`
@@ -77,8 +80,9 @@ def simulate_arena(requests, arena: ContiguousArena, step_time: float = 0.05,
     requests = sorted(requests, key=lambda r: (r.arrival_time, r.id))
     for r in requests:
         if r.max_len_reserved > arena.capacity:
-            raise ValueError(f"request {r.id} reserves {r.max_len_reserved} tokens but the arena holds "
-                             f"{arena.capacity}; make the arena larger or the reservation smaller")
+            raise ValueError(f"request {r.id} reserves {r.max_len_reserved} tokens but the arena "
+                             f"holds {arena.capacity}; make the arena larger or the reservation "
+                             f"smaller")
         if r.total_len > r.max_len_reserved:
             raise ValueError(f"request {r.id} needs {r.total_len} tokens but reserves only "
                              f"{r.max_len_reserved}")
@@ -108,7 +112,8 @@ def simulate_arena(requests, arena: ContiguousArena, step_time: float = 0.05,
             admitted.append(r.id)
             running[r.id] = (r, slab)
             trace.requests.setdefault(r.id, {}).update(
-                admit_step=step, start=slab.start, reserved=r.max_len_reserved, total_len=r.total_len)
+                admit_step=step, start=slab.start, reserved=r.max_len_reserved,
+                total_len=r.total_len)
         for rid, (r, slab) in running.items():
             slab.write(r.prompt_len if rid in admitted else 1, value=float(rid % 997 + 1))
         stats = arena.stats()
@@ -129,7 +134,8 @@ def simulate_arena(requests, arena: ContiguousArena, step_time: float = 0.05,
 
 
 def simulate_blocks(requests, num_blocks: int, block_size: int, step_time: float = 0.05,
-                    max_steps: int = 1_000_000, map_every: int = 1, map_bins: int = 256) -> MemoryTrace:
+                    max_steps: int = 1_000_000, map_every: int = 1,
+                    map_bins: int = 256) -> MemoryTrace:
     """Chapter 02's workload through paged blocks instead of slabs (memory only, no model).
 
     Same step loop as `simulate_arena` (FCFS admission; prefill writes the prompt,
@@ -191,7 +197,8 @@ def simulate_blocks(requests, num_blocks: int, block_size: int, step_time: float
             "reserved_tokens": held * block_size, "used_tokens": used,
             "free_tokens": mgr.num_free_blocks * block_size,
             "largest_free_extent": mgr.num_free_blocks * block_size,   # any free block serves
-            "internal_fragmentation": (held * block_size - used) / (held * block_size) if held else 0.0,
+            "internal_fragmentation": ((held * block_size - used) / (held * block_size)
+                                       if held else 0.0),
             "external_fragmentation": 0.0})
         if step % map_every == 0:
             trace.maps.append((step, *_owner_map(mgr, capacity, stride)))

@@ -54,7 +54,8 @@ def system_len_for_hit_rate(hit_rate: float, prompts_per_group: int, question_le
     frac = hit_rate * prompts_per_group / (prompts_per_group - 1) if prompts_per_group > 1 else 0
     if not 0 <= frac < 1:
         raise ValueError(f"hit rate {hit_rate} is out of reach with {prompts_per_group} prompts "
-                         f"per group; the most is {(prompts_per_group - 1) / prompts_per_group:.2f}")
+                         f"per group; the most is "
+                         f"{(prompts_per_group - 1) / prompts_per_group:.2f}")
     return round(frac * question_len / (1 - frac))
 
 

@@ -40,7 +40,8 @@ class RadixNode:
         self.last_access = 0
 
     def __repr__(self) -> str:
-        return f"RadixNode({len(self.key)} tokens, {len(self.children)} children, lock {self.lock_ref})"
+        return (f"RadixNode({len(self.key)} tokens, {len(self.children)} children, "
+                f"lock {self.lock_ref})")
 
 
 def _common_length(a, b) -> int:

@@ -122,7 +122,8 @@ class StepRecord:
 
 @dataclass
 class ServingReplayResult:
-    outputs: list                  # RequestOutput per trace request, in trace order (None: rejected)
+    outputs: list                  # RequestOutput per trace request, in trace order
+                                   # (None: rejected)
     steps: list = field(default_factory=list)      # StepRecord per step
     engine: Optional[LLMEngine] = None
     end_time: float = 0.0
@@ -208,5 +209,5 @@ def replay_serving(model, trace: Sequence[TraceRequest], cost: StepCost, tokeniz
                                rejected)
 
 
-__all__ = ["VirtualClock", "StepCost", "fit_step_cost", "measure_step_cost", "TraceRequest", "StepRecord",
-           "ServingReplayResult", "poisson_trace", "replay_serving"]
+__all__ = ["VirtualClock", "StepCost", "fit_step_cost", "measure_step_cost", "TraceRequest",
+           "StepRecord", "ServingReplayResult", "poisson_trace", "replay_serving"]

@@ -4,7 +4,8 @@
     run.steps[k]            # what step k did: tokens per request, prefills, preemptions, queues
     print(describe(run, k)) # the scheduler's state after step k, as text
 
-    requests, steps = replay_schedule(trace, budget=512, chunked=True, step_time=lambda scheduled: 1.0)
+    requests, steps = replay_schedule(trace, budget=512, chunked=True,
+                                      step_time=lambda scheduled: 1.0)
 
 `run_trace` drives a real `LLMEngine` one `step()` at a time, adding each request before the
 step it arrives at, and reads what the scheduler did from the engine's state (nothing in the
@@ -125,7 +126,8 @@ def _record_step(engine, run: Run, record: dict, swapped_size: dict, admitted_at
 def describe(run: Run, k: int) -> str:
     """The scheduler's state after step k of a recorded run, as text."""
     if not 0 <= k < len(run.steps):
-        raise ValueError(f"step {k} is not in {run.name!r}, which has steps 0..{len(run.steps) - 1}")
+        raise ValueError(f"step {k} is not in {run.name!r}, which has steps "
+                         f"0..{len(run.steps) - 1}")
     rec = run.steps[k]
     done = [rid for r in run.steps[:k + 1] for rid in r["finished"]]
 

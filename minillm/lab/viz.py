@@ -46,7 +46,8 @@ def draw_block_tables(mgr, seqs, colors, ax=None):
         if b in owner:
             s, i = owner[b]
             written = min(bs, mgr.num_tokens(s) - i * bs)
-            ax.add_patch(Rectangle((7.1, y + 0.1), 2.4 * written / bs, 0.8, color=colors[s], alpha=0.55))
+            ax.add_patch(Rectangle((7.1, y + 0.1), 2.4 * written / bs, 0.8, color=colors[s],
+                                   alpha=0.55))
             text = f"block {b}: {s} tokens {i * bs}-{i * bs + written - 1}"
         ax.text(7.2, y + 0.5, text, va="center", fontsize=8.5)
     y = nb - 1
@@ -54,7 +55,8 @@ def draw_block_tables(mgr, seqs, colors, ax=None):
         for i, b in enumerate(mgr.block_table(s)):
             written = min(bs, mgr.num_tokens(s) - i * bs)
             ax.add_patch(Rectangle((0, y + 0.1), 2.4, 0.8, fill=False, lw=1))
-            ax.add_patch(Rectangle((0, y + 0.1), 2.4 * written / bs, 0.8, color=colors[s], alpha=0.55))
+            ax.add_patch(Rectangle((0, y + 0.1), 2.4 * written / bs, 0.8, color=colors[s],
+                                   alpha=0.55))
             ax.text(0.1, y + 0.5, f"{s}[{i}]: tokens {i * bs}-{i * bs + written - 1}", va="center",
                     fontsize=8.5)
             ax.add_patch(Rectangle((4.0, y + 0.1), 1.2, 0.8, fill=False, lw=1))
@@ -94,7 +96,8 @@ def slot_grid(run, slots: int):
     for rec in run.steps:
         k, active = rec["step"], rec["scheduled"]
         if len(active) > slots:
-            raise ValueError(f"step {k} scheduled {len(active)} requests but there are {slots} slots")
+            raise ValueError(f"step {k} scheduled {len(active)} requests but there are "
+                             f"{slots} slots")
         for rid in [rid for rid in seat if rid not in active]:     # left: finished or preempted
             del seat[rid]
         free = sorted(set(range(slots)) - set(seat.values()))

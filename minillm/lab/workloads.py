@@ -2,9 +2,9 @@
 (serving: `workload_requests` turns a mix into prompt texts for the load generator).
 
 A workload is a list of `WorkloadRequest` records: how long each prompt is, how many tokens the
-model will generate for it, when it arrives, and how many tokens of KV memory a naive server reserves
-for it up front. Everything is drawn from a seeded numpy generator, so the same arguments give
-the same trace on every machine.
+model will generate for it, when it arrives, and how many tokens of KV memory a naive server
+reserves for it up front. Everything is drawn from a seeded numpy generator, so the same arguments
+give the same trace on every machine.
 
 Length mixes
 ------------
@@ -97,8 +97,9 @@ class Workload:
         p = np.array([r.prompt_len for r in self.requests])
         o = np.array([r.output_len for r in self.requests])
         res = np.array([r.max_len_reserved for r in self.requests])
-        return {"mix": self.mix, "num_requests": len(self.requests), "context_len": self.context_len,
-                "mean_prompt_len": float(p.mean()), "mean_output_len": float(o.mean()),
+        return {"mix": self.mix, "num_requests": len(self.requests),
+                "context_len": self.context_len, "mean_prompt_len": float(p.mean()),
+                "mean_output_len": float(o.mean()),
                 "max_total_len": int((p + o).max()), "mean_reserved": float(res.mean()),
                 "used_over_reserved": float((p + o).sum() / res.sum()),
                 "num_clipped": self.num_clipped}
@@ -130,7 +131,8 @@ def sample_lengths(mix: str, n: int, rng: np.random.Generator, context_len: int)
 
 
 def arrival_times(n: int, rate: Optional[float], rng: np.random.Generator) -> np.ndarray:
-    """Poisson arrivals at `rate` requests/s (exponential gaps), or all at t = 0 when rate is None."""
+    """Poisson arrivals at `rate` requests/s (exponential gaps), or all at t = 0 when rate is
+    None."""
     if rate is None:
         return np.zeros(n)
     if rate <= 0:
@@ -148,11 +150,14 @@ def make_workload(mix: str = "sharegpt", num_requests: int = 100, seed: int = 0,
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     if context_len < 2:
-        raise ValueError(f"context_len must be >= 2 (one prompt and one output token), got {context_len}")
+        raise ValueError("context_len must be >= 2 (one prompt and one output token), "
+                         f"got {context_len}")
     if reserve not in RESERVE_POLICIES:
-        raise ValueError(f"unknown reserve policy {reserve!r}; use one of {', '.join(RESERVE_POLICIES)}")
+        raise ValueError(f"unknown reserve policy {reserve!r}; "
+                         f"use one of {', '.join(RESERVE_POLICIES)}")
     if reserve == "max_tokens" and (max_tokens is None or max_tokens < 1):
-        raise ValueError("reserve='max_tokens' needs max_tokens >= 1 (the output cap the server reserves for)")
+        raise ValueError("reserve='max_tokens' needs max_tokens >= 1 "
+                         "(the output cap the server reserves for)")
     rng = np.random.default_rng(seed)
     raw_prompt, raw_output = sample_lengths(mix, num_requests, rng, context_len)
     arrivals = arrival_times(num_requests, rate, rng)

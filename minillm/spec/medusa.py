@@ -118,7 +118,8 @@ class MedusaHeads(nn.Module):
 
 def hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     """The target's final hidden states (after the last norm) for every position, no cache:
-    input_ids [B, T] -> [B, T, C]. Used for training; serving captures them with `capture_hidden`."""
+    input_ids [B, T] -> [B, T, C]. Used for training; serving captures them with
+    `capture_hidden`."""
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
     cos, sin = model.rope(positions)

@@ -24,8 +24,8 @@ PASSAGES = [
 CODE = [
     "def total_price(items):\n    total = 0\n    for item in items:\n        total = total + "
     "item.price * item.quantity\n    return total\n",
-    "def count_words(text):\n    counts = {}\n    for word in text.split():\n        counts[word] = "
-    "counts.get(word, 0) + 1\n    return counts\n",
+    "def count_words(text):\n    counts = {}\n    for word in text.split():\n"
+    "        counts[word] = counts.get(word, 0) + 1\n    return counts\n",
 ]
 GROUNDED_TASKS = [
     lambda p: f"Repeat the following text exactly, word for word:\n\n{p}",

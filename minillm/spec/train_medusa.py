@@ -36,7 +36,8 @@ TOPICS = ["the water cycle", "how vaccines work", "the French revolution", "blac
 TASKS = ["Explain {t} to a ten-year-old.", "Write a short paragraph about {t}.",
          "Give three facts about {t}.", "What are the main ideas behind {t}?",
          "Summarize {t} in a few sentences.", "Why is {t} important?",
-         "Write a short story that involves {t}.", "List some common questions about {t} and answer them."]
+         "Write a short story that involves {t}.",
+         "List some common questions about {t} and answer them."]
 
 
 def make_prompts(tok, num_train: int, num_heldout: int, seed: int = 0) -> tuple:
@@ -167,7 +168,8 @@ def main(argv=None) -> None:
     t_total = time.perf_counter() - t0
     report = {"model": args.model, "num_heads": args.num_heads, "num_prompts": args.num_prompts,
               "num_heldout": args.num_heldout, "max_tokens": args.max_tokens,
-              "epochs": args.epochs, "loss": args.loss, "train_positions": len(h), "heldout_positions": len(hv),
+              "epochs": args.epochs, "loss": args.loss, "train_positions": len(h),
+              "heldout_positions": len(hv),
               "heldout_top1_before": before, "heldout_top1_after": after,
               "seconds": round(t_total, 1), "torch_threads": torch.get_num_threads()}
     print(json.dumps(report, indent=1))
