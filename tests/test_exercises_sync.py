@@ -13,8 +13,8 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from minillm.grading import parse_grade_lines
 from minillm.grading.batch import chapter_exercises
-from minillm.grading.make_exercises import (BEGIN, END, main, make_exercises, make_exercise_notebook,
-                                            render, strip_solutions)
+from minillm.grading.make_exercises import (BEGIN, END, main, make_exercise_notebook,
+                                            make_exercises, render, strip_solutions)
 from minillm.grading.testing import function_from_notebook
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -93,6 +93,3 @@ def render(text: str) -> str:
         return FACTS[name]()
     return _FIELD.sub(sub, text)
 
-
-def names_in(text: str) -> list[str]:
-    return _FIELD.findall(text or "")

@@ -8,7 +8,6 @@ weight bytes from `minillm.kvmath`.
 """
 from __future__ import annotations
 
-import math
 
 
 # --- queueing -----------------------------------------------------------------------------
@@ -105,6 +104,3 @@ def mlp_activation_bytes(num_tokens: int, intermediate_size: int, dtype_bytes: f
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
-
-def percentile_gap(p99: float, p50: float) -> float:
-    return p99 / p50 if p50 else math.inf

@@ -133,7 +133,6 @@ class AsyncEngine:
         self._count_lock = threading.Lock()
         self._pending_adds = 0                   # submitted, not yet added by the thread
         self.num_waiting = 0                     # the engine's waiting queue (last step + adds)
-        self.last_stats = None                   # the StepStats of the last step
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self.recent: collections.OrderedDict = collections.OrderedDict()  # id -> RequestOutput
@@ -238,7 +237,6 @@ class AsyncEngine:
             self._on_finished(output)
         with self._count_lock:
             self.num_waiting = out.stats.num_waiting
-        self.last_stats = out.stats
         if self.observer is not None:
             self.observer.on_step(out.stats)
 
