@@ -149,12 +149,14 @@ class ScriptedEngine:
             toks = next(steps)
             ids.extend(toks)
             done = toks.endswith(b"END") or reason == "error"
-            deltas.append(TokenDelta(rid, 0, tuple(toks), len(ids), done))
+            deltas.append(TokenDelta(request_id=rid, index=0, token_ids=tuple(toks),
+                                     num_output_tokens=len(ids), finished=done))
             if done:
                 del self.live[rid]
                 finished.append(self._output(rid, ids, reason, "boom" if reason == "error"
                                              else None))
-        return StepOutput(finished, deltas, step_stats(num_running=len(self.live)))
+        return StepOutput(finished=finished, deltas=deltas,
+                          stats=step_stats(num_running=len(self.live)))
 
 
 def test_async_engine_turns_step_outputs_into_typed_events():

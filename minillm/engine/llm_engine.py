@@ -324,9 +324,11 @@ class LLMEngine:
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0)
         if not sched.is_empty:
             self.step_stats.append(stats)
-        deltas = [TokenDelta(req.request_id, req.sample_index, tuple(toks), req.num_output_tokens,
-                             req.is_finished) for req, toks in update.emitted]
-        return StepOutput([self._output(rid) for rid in finished], deltas, stats)
+        deltas = [TokenDelta(request_id=req.request_id, index=req.sample_index,
+                             token_ids=tuple(toks), num_output_tokens=req.num_output_tokens,
+                             finished=req.is_finished) for req, toks in update.emitted]
+        return StepOutput(finished=[self._output(rid) for rid in finished], deltas=deltas,
+                          stats=stats)
 
     def decode(self, ids: list) -> str:
         if self.tokenizer is None:

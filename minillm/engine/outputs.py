@@ -66,7 +66,7 @@ class RequestOutput:
         return f"RequestOutput({self.request_id!r}, [{outs}]{err})"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenDelta:
     """The tokens one sequence got in one step (vLLM's RequestOutput with finished=False and
     output_kind DELTA, cut down to ids): 1 token, or up to k + 1 when drafts were verified.
@@ -78,7 +78,7 @@ class TokenDelta:
     finished: bool                      # this sequence finished in this step
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepOutput:
     """What one `LLMEngine.step_outputs()` call produced."""
     finished: list                      # [RequestOutput]: requests whose every sample finished
