@@ -78,9 +78,23 @@ def run_engine(engine, prompts, max_tokens, arrive_at=None, params=None, max_ste
             k += 1
         for out in engine.step():
             outs[out.request_id] = out
+        check_request_state(engine)
         step += 1
         assert step < max_steps, "the engine did not finish: a request starves or livelocks"
     return outs, step
+
+
+def check_request_state(engine):
+    """Each live request holds its KV record (req.kv) exactly while the manager indexes it under
+    its seq_id: one record, two views, never out of step (running, swapped, preempted, finished)."""
+    bm = engine.block_manager
+    live = [r for group in engine.groups.values() for r in group]
+    for req in live:
+        if bm.has(req.seq_id):
+            assert req.kv is bm.kv(req.seq_id), f"{req} holds another record than the manager's"
+        else:
+            assert req.kv is None, f"{req} still holds a record the manager dropped"
+    assert set(bm.seqs) <= {r.seq_id for r in live}, "the manager holds blocks of no live request"
 
 
 def check_invariants(engine):

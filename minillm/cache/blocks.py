@@ -26,6 +26,7 @@ the code is our own.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -143,6 +144,17 @@ class BlockPool:
         return len(dropped)
 
 
+@dataclass(eq=False)
+class KVBlocks:
+    """One sequence's KV memory: its block table and what the prefix cache knows of it. The
+    BlockManager indexes these records by seq_id; the engine's Request holds its own (req.kv)."""
+    block_ids: list = field(default_factory=list)      # physical blocks, in token order
+    num_tokens: int = 0                                # tokens the table holds
+    prefix_chain: list = field(default_factory=list)   # chapter 06: entries of its full blocks
+    chain_broken: bool = False                         # chapter 06: a collision stopped caching
+    pending: list = field(default_factory=list)        # chapter 06: (index, key) to compute
+
+
 class NoPrefixCache:
     """Prefix caching off (chapters 03-05): every lookup finds nothing, nothing is registered.
     Chapter 06's `minillm.cache.prefix.PrefixCache` answers the same calls for real."""
@@ -160,13 +172,10 @@ class NoPrefixCache:
                           cache_salt: Optional[str] = None) -> int:
         return 0
 
-    def on_allocate(self, seq_id, cached_blocks) -> None:
+    def on_allocate(self, kv: KVBlocks, cached_blocks) -> None:
         pass
 
-    def on_fork(self, parent_id, child_id) -> None:
-        pass
-
-    def on_free(self, seq_id) -> None:
+    def on_free(self, seq_id, kv: KVBlocks) -> None:
         pass
 
 
@@ -182,8 +191,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.tables: dict = {}        # seq_id -> [block ids], in token order
-        self.lengths: dict = {}       # seq_id -> tokens the table holds
+        self.seqs: dict = {}          # seq_id -> KVBlocks
         if enable_caching:
             from .prefix import PrefixCache     # chapter 06: the seam turned on
             self.prefix_cache = PrefixCache(self)
@@ -199,19 +207,29 @@ class BlockManager:
         return self.pool.num_cached_blocks
 
     def has(self, seq_id) -> bool:
-        return seq_id in self.tables
+        return seq_id in self.seqs
+
+    def kv(self, seq_id) -> KVBlocks:
+        """seq_id's record (the engine keeps it on its Request as req.kv)."""
+        if seq_id not in self.seqs:
+            raise ValueError(f"sequence {seq_id!r} has no block table; allocate it first")
+        return self.seqs[seq_id]
 
     def block_table(self, seq_id) -> list[int]:
-        return list(self._table(seq_id))
+        return list(self.kv(seq_id).block_ids)
 
     def num_tokens(self, seq_id) -> int:
-        self._table(seq_id)
-        return self.lengths[seq_id]
+        return self.kv(seq_id).num_tokens
 
-    def _table(self, seq_id) -> list[int]:
-        if seq_id not in self.tables:
-            raise ValueError(f"sequence {seq_id!r} has no block table; allocate it first")
-        return self.tables[seq_id]
+    @property
+    def tables(self) -> dict:
+        """seq_id -> block ids, for reading (lectures, tests)."""
+        return {s: kv.block_ids for s, kv in self.seqs.items()}
+
+    @property
+    def lengths(self) -> dict:
+        """seq_id -> tokens held, for reading."""
+        return {s: kv.num_tokens for s, kv in self.seqs.items()}
 
     # --- prefix caching (chapter 06; finds nothing while it is off) ------------------------------
     def find_cached_blocks(self, token_ids, cache_salt: Optional[str] = None) -> list[int]:
@@ -237,7 +255,8 @@ class BlockManager:
     # --- allocation ------------------------------------------------------------------------------
     def _needs_copy(self, seq_id, num_tokens: int) -> bool:
         """Will growing to num_tokens write into a last block that other tables share?"""
-        table, n = self.tables.get(seq_id, []), self.lengths.get(seq_id, 0)
+        kv = self.seqs.get(seq_id) or KVBlocks()
+        table, n = kv.block_ids, kv.num_tokens
         return (num_tokens > n and n % self.block_size != 0
                 and self.pool.refcount(table[-1]) > 1)
 
@@ -249,16 +268,17 @@ class BlockManager:
             self._check_hits(seq_id, num_tokens, cached_blocks)
             fresh = max(0, -(-num_tokens // self.block_size) - len(cached_blocks))
             return fresh + sum(self.pool.refcount(b) == 0 for b in cached_blocks)
-        n = self.lengths.get(seq_id, 0)
+        kv = self.seqs.get(seq_id) or KVBlocks()
+        n = kv.num_tokens
         if num_tokens < n:
             raise ValueError(f"sequence {seq_id!r} already holds {n} tokens; tables only grow "
                              f"(asked for {num_tokens}); free the sequence to shrink it")
-        have = len(self.tables.get(seq_id, []))
+        have = len(kv.block_ids)
         need = -(-num_tokens // self.block_size)                  # ceil
         return max(0, need - have) + self._needs_copy(seq_id, num_tokens)
 
     def _check_hits(self, seq_id, num_tokens: int, cached_blocks) -> None:
-        if seq_id in self.tables:
+        if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} already has a block table; prefix hits are for "
                              "a new sequence")
         if len(cached_blocks) * self.block_size >= num_tokens:
@@ -286,37 +306,37 @@ class BlockManager:
         if cached_blocks:
             for b in cached_blocks:
                 self.pool.touch(b)
-            self.tables[seq_id] = list(cached_blocks)
-            self.lengths[seq_id] = len(cached_blocks) * self.block_size
-            self.prefix_cache.on_allocate(seq_id, cached_blocks)
+            self.seqs[seq_id] = KVBlocks(list(cached_blocks), len(cached_blocks) * self.block_size)
+            self.prefix_cache.on_allocate(self.seqs[seq_id], cached_blocks)
         copies = []
         if self._needs_copy(seq_id, num_tokens):
-            table = self.tables[seq_id]
+            table = self.seqs[seq_id].block_ids
             src, dst = table[-1], self.pool.allocate()
             self.pool.decref(src)
             table[-1] = dst
             copies.append((src, dst))
-        table = self.tables.setdefault(seq_id, [])
-        while len(table) * self.block_size < num_tokens:
-            table.append(self.pool.allocate())
-        self.lengths[seq_id] = num_tokens
+        kv = self.seqs.setdefault(seq_id, KVBlocks())
+        while len(kv.block_ids) * self.block_size < num_tokens:
+            kv.block_ids.append(self.pool.allocate())
+        kv.num_tokens = num_tokens
         return copies
 
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Shrink seq_id to its first num_tokens tokens (speculative decoding's rollback of
         rejected drafts, chapter 07): blocks past them go back to the pool."""
-        table, n = self._table(seq_id), self.lengths[seq_id]
-        if not 0 <= num_tokens <= n:
-            raise ValueError(f"sequence {seq_id!r} holds {n} tokens; "
+        kv = self.kv(seq_id)
+        if not 0 <= num_tokens <= kv.num_tokens:
+            raise ValueError(f"sequence {seq_id!r} holds {kv.num_tokens} tokens; "
                              f"cannot truncate to {num_tokens}")
         keep = -(-num_tokens // self.block_size)
-        while len(table) > keep:
-            self.pool.decref(table.pop())
-        self.lengths[seq_id] = num_tokens
+        while len(kv.block_ids) > keep:
+            self.pool.decref(kv.block_ids.pop())
+        kv.num_tokens = num_tokens
 
     def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
         """Physical slots (block * block_size + offset) of token positions [start, end)."""
-        table, n = self._table(seq_id), self.lengths[seq_id]
+        kv = self.kv(seq_id)
+        table, n = kv.block_ids, kv.num_tokens
         if not 0 <= start <= end <= n:
             raise ValueError(f"positions [{start}, {end}) are outside sequence {seq_id!r}'s "
                              f"{n} tokens; allocate them first")
@@ -325,20 +345,19 @@ class BlockManager:
 
     def fork(self, parent_id, child_id) -> None:
         """child_id starts as a copy of parent_id that shares every block (refcounts bumped)."""
-        table = self._table(parent_id)
-        if child_id in self.tables:
+        parent = self.kv(parent_id)
+        if child_id in self.seqs:
             raise ValueError(f"sequence {child_id!r} already exists; fork into a new id")
-        for block_id in table:
+        for block_id in parent.block_ids:
             self.pool.incref(block_id)
-        self.tables[child_id] = list(table)
-        self.lengths[child_id] = self.lengths[parent_id]
-        self.prefix_cache.on_fork(parent_id, child_id)
+        self.seqs[child_id] = KVBlocks(list(parent.block_ids), parent.num_tokens,
+                                       list(parent.prefix_chain), parent.chain_broken)
 
     def free(self, seq_id) -> None:
         """Drop seq_id's table; blocks nobody else references go back to the pool (tail first,
         as vLLM does: with caching on, a sequence's deepest blocks are evicted first)."""
-        table = self._table(seq_id)
-        for block_id in reversed(table):
+        kv = self.kv(seq_id)
+        for block_id in reversed(kv.block_ids):
             self.pool.decref(block_id)
-        del self.tables[seq_id], self.lengths[seq_id]
-        self.prefix_cache.on_free(seq_id)
+        del self.seqs[seq_id]
+        self.prefix_cache.on_free(seq_id, kv)

@@ -119,10 +119,9 @@ class PrefixCache:
         self.manager = manager
         self.pool = manager.pool
         self.block_size = manager.block_size
-        self.entries: dict = {}          # seq_id -> [CachedBlock] naming its leading full blocks
-        self.chain_broken: set = set()   # seq_ids whose next block cannot be cached (collision)
         self.pending: dict = {}          # key of a full block being computed now -> seq_id
-        self.pending_by_seq: dict = {}   # seq_id -> [(block index, key)] it has yet to compute
+        # per sequence (its KVBlocks record): prefix_chain, the CachedBlocks naming its leading
+        # full blocks; chain_broken after a collision; pending, the (index, key) it must compute
 
     # --- lookup --------------------------------------------------------------------------------
     def find_cached_blocks(self, token_ids, cache_salt: Optional[str] = None) -> list[int]:
@@ -157,25 +156,21 @@ class PrefixCache:
     def mark_pending(self, seq_id, token_ids, cache_salt: Optional[str] = None) -> None:
         """After admission: the keys of the full blocks of token_ids that seq_id will compute
         (after its hit), so `is_computing` can tell a newcomer with the same prefix to wait."""
-        bs, entries = self.block_size, self.entries.get(seq_id, [])
-        parent_key = entries[-1].key if entries else None
-        todo = []
-        for i in range(len(entries), len(token_ids) // bs):
+        kv = self.manager.kv(seq_id)
+        self._clear_pending(seq_id, kv)
+        bs, chain = self.block_size, kv.prefix_chain
+        parent_key = chain[-1].key if chain else None
+        for i in range(len(chain), len(token_ids) // bs):
             parent_key = hash_block_tokens(parent_key, token_ids[i * bs:(i + 1) * bs], cache_salt)
-            todo.append((i, parent_key))
+            kv.pending.append((i, parent_key))
             self.pending.setdefault(parent_key, seq_id)
-        self._clear_pending(seq_id)
-        self.pending_by_seq[seq_id] = todo
 
-    def _clear_pending(self, seq_id, below: Optional[int] = None) -> None:
+    def _clear_pending(self, seq_id, kv, below: Optional[int] = None) -> None:
         """Forget seq_id's pending keys (those of blocks with index < below, or all)."""
-        todo = self.pending_by_seq.get(seq_id)
-        while todo and (below is None or todo[0][0] < below):
-            _, key = todo.pop(0)
+        while kv.pending and (below is None or kv.pending[0][0] < below):
+            _, key = kv.pending.pop(0)
             if self.pending.get(key) == seq_id:
                 del self.pending[key]
-        if not todo:
-            self.pending_by_seq.pop(seq_id, None)
 
     # --- registration --------------------------------------------------------------------------
     def cache_block(self, block_id: int, token_ids, parent: Optional[CachedBlock],
@@ -201,35 +196,28 @@ class PrefixCache:
         """After a forward: register seq_id's blocks that are now full and computed.
         token_ids(start, end) returns the sequence's tokens; cache_salt must be the one its
         lookup used. Returns how many blocks were added to the cache."""
-        entries = self.entries.setdefault(seq_id, [])
-        table, bs = self.manager._table(seq_id), self.block_size
-        full = min(num_computed_tokens, self.manager.lengths[seq_id]) // bs
+        kv, bs = self.manager.kv(seq_id), self.block_size
+        chain, table = kv.prefix_chain, kv.block_ids
+        full = min(num_computed_tokens, kv.num_tokens) // bs
         added = 0
-        while len(entries) < full and seq_id not in self.chain_broken:
-            i = len(entries)
-            parent = entries[-1] if entries else None
+        while len(chain) < full and not kv.chain_broken:
+            i = len(chain)
+            parent = chain[-1] if chain else None
             entry = self.cache_block(table[i], token_ids(i * bs, (i + 1) * bs), parent, cache_salt)
             if entry is None:                               # collision: stop caching this one
-                self.chain_broken.add(seq_id)
+                kv.chain_broken = True
                 break
-            entries.append(entry)
+            chain.append(entry)
             added += entry.block_id == table[i]
-        self._clear_pending(seq_id, None if seq_id in self.chain_broken else len(entries))
+        self._clear_pending(seq_id, kv, None if kv.chain_broken else len(chain))
         return added
 
     # --- the manager's hooks -------------------------------------------------------------------
-    def on_allocate(self, seq_id, cached_blocks) -> None:
-        self.entries[seq_id] = [self.pool.block_entry[b] for b in cached_blocks]
+    def on_allocate(self, kv, cached_blocks) -> None:
+        kv.prefix_chain = [self.pool.block_entry[b] for b in cached_blocks]
 
-    def on_fork(self, parent_id, child_id) -> None:
-        self.entries[child_id] = list(self.entries.get(parent_id, []))
-        if parent_id in self.chain_broken:
-            self.chain_broken.add(child_id)
-
-    def on_free(self, seq_id) -> None:
-        self.entries.pop(seq_id, None)
-        self._clear_pending(seq_id)
-        self.chain_broken.discard(seq_id)
+    def on_free(self, seq_id, kv) -> None:
+        self._clear_pending(seq_id, kv)
 
 
 class PrefixCachingBlockManager(BlockManager):

@@ -112,7 +112,7 @@ class ModelRunner:
             c = req.num_computed_tokens
             ids.extend(req.token_ids(c, c + n))
             spans.append((c, n))
-            tables.append(self.bm.block_table(req.seq_id))
+            tables.append(req.kv.block_ids)
             k = c + n - req.num_tokens           # drafts verified (chapter 07); < 0: mid-prefill
             if k >= 0:                           # the step reaches its last token: sample
                 samplers.append((req, len(rows), k))

@@ -59,6 +59,8 @@ class Request:
         self.error: Optional[str] = None           # why it finished with reason "error"
         self.arrival_order = arrival_order         # FCFS priority (lower = older)
         self.needs_fork = sample_index == 0 and params.n > 1   # siblings come after the prompt
+        self.kv = None                             # KVBlocks while it holds blocks: block
+                                                   # table, prefix chain (cache/blocks.py)
         self.swapped_blocks: list = []             # CPU block ids while SWAPPED
         self.cache_salt = cache_salt               # prefix-cache namespace (chapter 06)
         self.num_cached_tokens: Optional[int] = None   # prompt tokens hit at first admission

@@ -144,7 +144,7 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         if self.bm.has(req.seq_id):
-            self.bm.free(req.seq_id)
+            self._free_blocks(req)
         self._free_cpu(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
@@ -160,12 +160,23 @@ class Scheduler:
         correct, and no block stays held by a request that is not running."""
         for req in self.running + self.swapped:
             if self.bm.has(req.seq_id):
-                self.bm.free(req.seq_id)
+                self._free_blocks(req)
             self._free_cpu(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.PREEMPTED
             bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
         self.running, self.swapped = [], []
+
+    def _allocate(self, req: Request, num_tokens: int, hits=()) -> list:
+        """Grow req's blocks to num_tokens (starting on prefix hits if new); returns the
+        copy-on-write pairs. req.kv is its KVBlocks record: block table, prefix chain."""
+        copies = self.bm.allocate(req.seq_id, num_tokens, hits)
+        req.kv = self.bm.kv(req.seq_id)
+        return copies
+
+    def _free_blocks(self, req: Request) -> None:
+        self.bm.free(req.seq_id)
+        req.kv = None
 
     def _free_cpu(self, req: Request) -> None:
         for b in req.swapped_blocks:
@@ -227,7 +238,7 @@ class Scheduler:
             self._preempt(victim, out)
             if victim is req:
                 return False
-        out.copies[req.seq_id] = self.bm.allocate(req.seq_id, need)
+        out.copies[req.seq_id] = self._allocate(req, need)
         out.scheduled.append((req, n))
         return True
 
@@ -250,13 +261,13 @@ class Scheduler:
             gpu_blocks = gpu_blocks[:num_blocks]
             cpu_blocks = [self.cpu_pool.allocate() for _ in range(num_blocks)]
             out.blocks_to_swap_out.extend(zip(gpu_blocks, cpu_blocks))
-            self.bm.free(victim.seq_id)
+            self._free_blocks(victim)
             victim.swapped_blocks = cpu_blocks
             victim.status = RequestStatus.SWAPPED
             self.num_swap_outs += 1
             bisect.insort(self.swapped, victim, key=lambda r: r.sort_key)
         else:
-            self.bm.free(victim.seq_id)
+            self._free_blocks(victim)
             victim.num_computed_tokens = 0
             victim.status = RequestStatus.PREEMPTED
             bisect.insort(self.waiting, victim, key=lambda r: r.sort_key)
@@ -312,7 +323,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 req.num_computed_tokens = computed
                 self._record_hit(req)
-            out.copies[req.seq_id] = self.bm.allocate(req.seq_id, computed + n, hits)
+            out.copies[req.seq_id] = self._allocate(req, computed + n, hits)
             if not swapped:
                 self.bm.mark_pending(req.seq_id, tokens, req.cache_salt)
             out.scheduled.append((req, n))
@@ -324,7 +335,7 @@ class Scheduler:
     def _swap_in(self, req: Request, out: SchedulerOutput) -> None:
         """Fresh device blocks for a swapped request, filled from the CPU pool before the step."""
         self.swapped.remove(req)
-        self.bm.allocate(req.seq_id, req.num_computed_tokens)      # fresh blocks, no copies
+        self._allocate(req, req.num_computed_tokens)               # fresh blocks, no copies
         gpu_blocks = list(self.bm.block_table(req.seq_id))
         out.blocks_to_swap_in.extend(zip(req.swapped_blocks, gpu_blocks))
         self._free_cpu(req)   # the swap-in copy runs before anything reuses these
@@ -341,6 +352,7 @@ class Scheduler:
             for i in range(1, req.params.n):
                 child = req.fork(self.new_seq_id(), i)
                 self.bm.fork(req.seq_id, child.seq_id)
+                child.kv = self.bm.kv(child.seq_id)
                 self.add_running(child)
                 out.forks.append((child, req))
 
