@@ -23,8 +23,8 @@ import torch
 from ..cache.contiguous import ContiguousKVCache
 from ..engine.spec_decode import Draft, DraftRequest, check_drafts
 from ..generate import _check_room, encode_prompt, eos_token_id, stop_reason
+from ..model import capture_hidden
 from ..sampling import SamplingParams, make_generator, sample
-from .medusa import capture_hidden
 from .rejection import verify
 from .stats import SpecStats
 

@@ -119,7 +119,7 @@ class MedusaHeads(nn.Module):
 def hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     """The target's final hidden states (after the last norm) for every position, no cache:
     input_ids [B, T] -> [B, T, C]. Used for training; serving captures them with
-    `capture_hidden`."""
+    `minillm.model.capture_hidden`."""
     B, T = input_ids.shape
     positions = torch.arange(T, device=input_ids.device).expand(B, T)
     cos, sin = model.rope(positions)
@@ -127,22 +127,3 @@ def hidden_states(model, input_ids: torch.Tensor) -> torch.Tensor:
     for layer in model.layers:
         x = layer(x, cos, sin)
     return model.norm(x)
-
-
-class capture_hidden:
-    """Context manager: record the input rows of the model's final norm's output during a forward
-    (the hidden states at the logits rows). `.value` is [B, S, C] after the forward."""
-
-    def __init__(self, model, enabled: bool = True):
-        self.model, self.enabled, self.value, self._h = model, enabled, None, None
-
-    def __enter__(self):
-        if self.enabled:
-            self._h = self.model.norm.register_forward_hook(
-                lambda mod, inp, out: setattr(self, "value", out))
-        return self
-
-    def __exit__(self, *exc):
-        if self._h is not None:
-            self._h.remove()
-        return False
