@@ -26,11 +26,12 @@ How a step changes (the rest of the engine is chapter 04's):
   2. The scheduler gives a decoding request 1 + k tokens instead of 1: its last sampled token
      plus the drafts, within the token budget and only when blocks are free (drafts never cause a
      preemption). They join the same ragged batch as everyone's prefill chunks and decodes.
-  3. The model runner returns logits at all 1 + k positions of such a request; the target's
-     verification runs through the paged prefill path like any multi-token chunk.
-  4. `verify` keeps the accepted drafts plus one token (exact match for greedy, the rejection
-     sampler otherwise), then the engine rolls back: num_computed_tokens forgets the rejected
-     positions and blocks that hold only rejected positions go back to the pool.
+  3. The model runner computes logits at all 1 + k positions of such a request (the target's
+     verification runs through the paged prefill path like any multi-token chunk) and `verify`
+     keeps the accepted drafts plus one token (exact match for greedy, the rejection sampler
+     otherwise): the runner returns those tokens.
+  4. The scheduler's update rolls back: num_computed_tokens forgets the rejected positions and
+     blocks that hold only rejected positions go back to the pool.
 
 Methods (vLLM's names where it has them): "ngram" (prompt lookup), "medusa" (the heads of
 minillm/spec/medusa.py, trained by `make train-draft`), "draft_model" (a separate smaller model
