@@ -73,6 +73,7 @@ def _runner_metadata(spans):
         req = Request(i, str(i), [1] * (c + n), params, 0.0, i)
         req.num_computed_tokens = c
         bm.allocate(i, c + n)
+        req.kv = bm.kv(i)                        # what the scheduler hands the request
         scheduled.append((req, n))
     meta = runner.prepare(scheduled).meta
     return {"cu_seqlens_q": meta.cu_seqlens_q.tolist(), "positions": meta.positions.tolist(),
