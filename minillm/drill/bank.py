@@ -27,6 +27,12 @@ from .facts import render
 from .units import UnitError, compare, fmt_value, parse_quantity
 
 BANK_DIR = Path(__file__).with_name("bank")
+# Answers longer than this are refused before grading, with a message. A full answer to any
+# question in the bank fits in a few hundred characters; the cap keeps grading instant (the
+# concept patterns, e.g. 'prefill.*compute', cost time quadratic in the length: a 320 kB answer
+# took 5.5 s, a 4,000-character one takes about a millisecond).
+MAX_ANSWER_CHARS = 4000
+
 KINDS = ("concept", "numeric", "spot_the_error", "scenario", "choice")
 DIFFICULTIES = (1, 2, 3)                   # 1 easy, 2 medium, 3 hard
 _SECTION = re.compile(r"^notebooks/(\d\d)_[a-z0-9_]+\.ipynb#.+$")
@@ -46,6 +52,16 @@ class Grade:
         return iter((self.score, self.feedback))
 
 
+def overlong(response) -> str:
+    """'' when the answer is short enough to grade; else why not, and the fix."""
+    n = len(str(response or ""))
+    if n <= MAX_ANSWER_CHARS:
+        return ""
+    return (f"the answer is {n:,} characters, longer than the {MAX_ANSWER_CHARS:,} the drill "
+            "grades. Shorten it to the key points (a few sentences, or a number with its unit) "
+            "and answer again.")
+
+
 @dataclass
 class Instance:
     question: "Question"
@@ -62,6 +78,9 @@ class Instance:
 
     def grade(self, response) -> Grade:
         q = self.question
+        too_long = overlong(response)
+        if too_long:
+            return Grade(0.0, f"Not graded: {too_long}")
         if q.kind == "numeric":
             return self._grade_numeric(response)
         if q.kind == "concept":

@@ -8,7 +8,7 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from typing import Callable
 
-from .bank import Question
+from .bank import Question, overlong
 from .state import Progress, drill_dir, load_json, save_json
 from .units import DIMENSION_WORDS
 
@@ -29,12 +29,19 @@ def ask(inst, index: int, total: int, input_fn: Callable, output_fn: Callable):
     q = inst.question
     output_fn(f"\n[{index}/{total}] {q.kind} · {q.topic} · difficulty {q.difficulty} · {q.id}")
     output_fn(inst.prompt)
-    try:
-        response = input_fn(f"{_hint(inst)}\n> ")
-    except EOFError:
-        return None
-    if response.strip().lower() in QUIT:
-        return None
+    prompt = f"{_hint(inst)}\n> "
+    for _ in range(3):                           # an overlong answer is refused, not graded
+        try:
+            response = input_fn(prompt)
+        except EOFError:
+            return None
+        if response.strip().lower() in QUIT:
+            return None
+        too_long = overlong(response)
+        if not too_long:
+            break
+        output_fn(f"That answer is too long to grade: {too_long}")
+        prompt = "> "
     grade = inst.grade(response)
     output_fn(grade.feedback)
     return grade
@@ -88,12 +95,35 @@ def rating_for(score: float):
     return Rating.Again
 
 
+def check_cards(cards: dict) -> None:
+    """Raise ValueError unless every value is a card FSRS can schedule: Card.from_dict accepts it,
+    its dates carry a time zone (they are compared with an aware 'now'), and a card past its
+    learning steps has a stability and a difficulty."""
+    from fsrs import Card, State
+    for qid, d in cards.items():
+        if not isinstance(d, dict):
+            raise ValueError(f"the card of {qid!r} is a {type(d).__name__}, not an object")
+        try:
+            card = Card.from_dict(d)
+        except KeyError as exc:
+            raise ValueError(f"the card of {qid!r} has no {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the card of {qid!r} is not an FSRS card ({exc})") from None
+        if card.due.tzinfo is None or (card.last_review and card.last_review.tzinfo is None):
+            raise ValueError(f"the card of {qid!r} has a date without a time zone")
+        if card.state == State.Review and (card.stability is None or card.difficulty is None):
+            raise ValueError(f"the card of {qid!r} is in review without stability/difficulty")
+        if card.state != State.Review and not isinstance(card.step, int):
+            raise ValueError(f"the card of {qid!r} is learning without a step")
+
+
 class ReviewState:
-    """FSRS cards by question id, kept in review.json in the drill directory."""
+    """FSRS cards by question id, kept in review.json in the drill directory. A file of the wrong
+    shape (see check_cards) is set aside like corrupt JSON (state.load_json)."""
 
     def __init__(self, path=None, warn=None):
         self.path = path or drill_dir() / "review.json"
-        self.cards = load_json(self.path, {}, warn)
+        self.cards = load_json(self.path, {}, warn, check_cards)
 
     def card(self, qid: str):
         from fsrs import Card
