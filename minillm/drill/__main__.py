@@ -1,10 +1,43 @@
-"""python -m minillm.drill quiz | review | mock | export-anki FILE.apkg | key-numbers"""
+"""python -m minillm.drill quiz | review | mock | export-anki FILE.apkg | key-numbers
+
+Every error, bad arguments included, is one line on stderr starting with "error: " and exit
+code 2; an interrupt is exit code 130."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import bank
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints the usage and the error on two or more lines and exits; here the error is
+    one line that points at --help, and main() returns 2."""
+
+    def error(self, message):
+        raise _UsageError(f"{message} (see: {self.prog} --help)")
+
+
+def _export(args) -> None:
+    from .anki import export_anki
+    if not args.file.endswith(".apkg"):
+        raise ValueError(f"{args.file!r}: the file name must end in .apkg")
+    folder = os.path.dirname(args.file) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"cannot write {args.file}: the folder {folder} does not exist; "
+                         "create it or pick another path")
+    questions = _questions(args)
+    try:
+        n = export_anki(args.file, questions)
+    except OSError as exc:
+        raise ValueError(f"cannot write {args.file}: {exc.strerror or exc}; pick a writable "
+                         "path") from None
+    print(f"wrote {n} notes to {args.file}")
 
 
 def _questions(args):
@@ -12,7 +45,7 @@ def _questions(args):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m minillm.drill",
+    ap = _Parser(prog="python -m minillm.drill",
                                  description="The interview drill: quiz, spaced review, mock "
                                              "design interview, Anki export, key numbers.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -42,8 +75,11 @@ def main(argv=None) -> int:
     filters(e)
 
     sub.add_parser("key-numbers", help="print the one-page sheet of key figures")
-    args = ap.parse_args(argv)
-
+    try:
+        args = ap.parse_args(argv)
+    except _UsageError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         if args.command == "quiz":
             from .quiz import run_quiz
@@ -59,16 +95,12 @@ def main(argv=None) -> int:
             seed = args.seed if args.seed is not None else random.randrange(10**9)
             run_mock(seed=seed, prompt_id=args.prompt, report_dir=args.report_dir)
         elif args.command == "export-anki":
-            from .anki import export_anki
-            if not args.file.endswith(".apkg"):
-                raise ValueError(f"{args.file!r}: the file name must end in .apkg")
-            n = export_anki(args.file, _questions(args))
-            print(f"wrote {n} notes to {args.file}")
+            _export(args)
         elif args.command == "key-numbers":
             from .keynumbers import key_numbers
             print(key_numbers())
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:        # OSError: a report folder, a state file
+        print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
