@@ -6,6 +6,17 @@ all name the same size. A bare number is read in the unit the question asks for.
 
 Decimal and binary prefixes are different units here, as on a datasheet: KB = 1000 B,
 KiB = 1024 B. Confusing them is a 2.4 % (K), 4.9 % (M) or 7.4 % (G) error, and the grader says so.
+
+Bits and bytes differ by case, as on a datasheet: B is a byte, b a bit ("8 Gb" = 1 GB,
+"400 Gb/s" = "400 Gbps" = 50 GB/s); "bit"/"bits" spelled out are bits too. The prefix's case does
+not matter (kB = KB).
+
+Reading rules for the number:
+  - a comma groups thousands only as 1-3 digits then groups of exactly three ("327,680",
+    "1,048,576.5"); any other comma ("0,3125", "1,5", "0,312") is a decimal comma and is refused
+    with the fix ("write 0.3125"), never silently read as 3125;
+  - "~", "≈", "~=", "about", "approx", "approx.", "approximately", "around", "roughly", "circa",
+    "ca." may come before the number (an estimate is graded like any answer).
 """
 from __future__ import annotations
 
@@ -60,7 +71,13 @@ BASE_UNIT = {"bytes": "B", "seconds": "s", "tokens_per_s": "tok/s", "bytes_per_s
              "flop_per_byte": "FLOP/byte", "ratio": "x", "fraction": "", "count": "",
              "dollars": "$"}
 
-_NUMBER = re.compile(r"^\s*\$?\s*([-+]?(?:\d[\d,_]*)?\.?\d+(?:[eE][-+]?\d+)?)\s*(.*?)\s*\.?\s*$")
+_APPROX = r"(?:~=?|≈|about|approx(?:\.|imately)?|around|roughly|circa|ca\.)"
+_NUMBER = re.compile(r"^\s*(?:" + _APPROX + r"\s*)?(?P<dollar>\$)?\s*(?:" + _APPROX + r"\s*)?"
+                     r"(?P<num>[-+]?(?:\d[\d,_]*)?\.?\d+(?:[eE][-+]?\d+)?)\s*(?P<unit>.*?)\s*\.?\s*$",
+                     re.IGNORECASE)
+_THOUSANDS = re.compile(r"^[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d*)?(?:[eE][-+]?\d+)?$")
+# a bit unit: an optional prefix, then a lower-case b or "bit(s)", optionally per second
+_BITS = re.compile(r"^(?P<prefix>[kKmMgGtT]i?)?(?:b|bits?)(?P<rate>/s|ps)?$")
 
 
 class UnitError(ValueError):
@@ -94,16 +111,17 @@ def parse_quantity(text: str, dimension: str, default_unit: str = "") -> Quantit
     m = _NUMBER.match(str(text))
     if not m:
         raise UnitError(f"could not read a number in {str(text)!r}; expected {expected}")
-    number = float(m.group(1).replace(",", "").replace("_", ""))
-    unit = m.group(2).split("(")[0].strip()        # "327,680 B (320 KiB)": the first unit counts
-    if str(text).strip().startswith("$") and not unit:
+    number = _read_number(m.group("num"))
+    unit = m.group("unit").split("(")[0].strip()   # "327,680 B (320 KiB)": the first unit counts
+    if m.group("dollar") and not unit:
         unit = "$"
     if not unit:
         return Quantity(number * unit_factor(default_unit, dimension), dimension, "")
-    key = unit.lower()
+    key, per_bit = _unit_key(unit)
     if key not in _UNITS:
         raise UnitError(f"unknown unit {unit!r}; expected {expected}")
     dim, factor = _UNITS[key]
+    factor *= per_bit
     if dim == "count" and dimension != "count":      # "23 tokens" for a size: a unit slip
         raise UnitError(f"{unit!r} counts things; expected {expected}")
     if dim != dimension and not (dim == "ratio" and dimension == "fraction"):
@@ -111,6 +129,26 @@ def parse_quantity(text: str, dimension: str, default_unit: str = "") -> Quantit
     if dim == "ratio" and dimension == "fraction":
         factor = 1.0
     return Quantity(number * factor, dimension, unit)
+
+
+def _read_number(num: str) -> float:
+    """The number as typed; a comma must group thousands (see the module docstring)."""
+    if "," in num and not _THOUSANDS.match(num.replace("_", "")):
+        fixed = num.replace(",", ".", 1) if num.count(",") == 1 else num.replace(",", "")
+        raise UnitError(f"{num!r} has a decimal comma (or commas that do not group thousands); "
+                        f"write a decimal point, e.g. {fixed}")
+    return float(num.replace(",", "").replace("_", ""))
+
+
+def _unit_key(unit: str) -> tuple[str, float]:
+    """The _UNITS key of a typed unit and the factor for bits: ("gb", 1/8) for "Gb"."""
+    m = _BITS.match(unit)
+    if m:
+        prefix = (m.group("prefix") or "").lower()
+        return f"{prefix}b" + ("/s" if m.group("rate") else ""), 1 / 8
+    if unit.lower().endswith("bps"):                 # "GBps": bytes per second
+        return unit.lower()[:-3] + "b/s", 1.0
+    return unit.lower(), 1.0
 
 
 def fmt_bytes(n: float) -> str:
@@ -169,6 +207,7 @@ _SLIPS = (
     (1.024**2, "decimal and binary units mixed (MB vs MiB: 1e6 vs 1048576)"),
     (1.024**3, "decimal and binary units mixed (GB vs GiB: 1e9 vs 1073741824)"),
     (1.024**4, "decimal and binary units mixed (TB vs TiB)"),
+    (8.0, "bits and bytes mixed (b is a bit, B a byte: 8 Gb = 1 GB)"),
     (2.0, "a factor of 2 (K and V both cached? 2 bytes per bf16 value? a sum counted twice?)"),
     (1000.0, "a factor of 1000: check the unit prefix (ms vs us, KB vs MB)"),
 )
