@@ -5,12 +5,14 @@
 A submission belongs to the problem set whose name its file name contains
 (`alice_00_foundations.ipynb` -> 00_foundations). Each one is run from cleared outputs in a fresh
 kernel under a per-submission supervisor (supervisor.py: own session, every cell under a time
-limit, every process killed at the end). Its check cells record what the learner's code answered
-as plain data (transcript.py); this process then re-runs every check of the problem set itself
-against those answers (regrade.py). Printed grade lines, stale outputs and a patched grader in
-the notebook count for nothing; a check that never answered fails. Each CSV row is written as
-soon as its submission is graded. A broken or hostile submission gets a row with a status, never
-a crash.
+limit, every process killed at the end), with empty folders of its own for HOME, IPYTHONDIR,
+Jupyter and matplotlib state (isolated_environment), removed afterwards: what one submission
+leaves there cannot reach the next one's kernel. Only regular files are opened as submissions.
+Its check cells record what the learner's code answered as plain data (transcript.py); this
+process then re-runs every check of the problem set itself against those answers (regrade.py).
+Printed grade lines, stale outputs and a patched grader in the notebook count for nothing; a
+check that never answered fails. Each CSV row is written as soon as its submission is graded. A
+broken or hostile submission gets a row with a status, never a crash.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -87,6 +91,91 @@ def match_problem_set(path: Path, sets: list[ProblemSet]) -> Optional[ProblemSet
 
 DEFAULT_CELL_TIMEOUT = 120.0      # seconds one cell may run before it is interrupted
 STARTUP_TIMEOUT = 60.0            # seconds a kernel may take to start (not counted in --timeout)
+MAX_SUBMISSION_BYTES = MAX_RECORD_BYTES   # a larger notebook is refused unread
+
+# Per-user state a kernel reads at start-up or writes for later processes (an IPython startup
+# file, Jupyter or matplotlib config, user site-packages, caches): each submission's kernel gets
+# fresh, empty folders of its own, removed with the submission's work folder.
+ISOLATED_DIRS = {"HOME": "home", "IPYTHONDIR": "ipython", "JUPYTER_CONFIG_DIR": "jupyter-config",
+                 "JUPYTER_DATA_DIR": "jupyter-data", "JUPYTER_RUNTIME_DIR": "jupyter-runtime",
+                 "MPLCONFIGDIR": "matplotlib", "XDG_CONFIG_HOME": "xdg-config",
+                 "XDG_CACHE_HOME": "xdg-cache", "XDG_DATA_HOME": "xdg-data"}
+# instructor's settings that would point a kernel back at shared writable state
+DROPPED_ENV = ("JUPYTER_PATH", "JUPYTER_CONFIG_PATH", "PYTHONSTARTUP", "PYTHONUSERBASE",
+               "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def isolated_environment(work: Path) -> dict:
+    """{variable: value} that gives one submission's kernel its own empty HOME, IPYTHONDIR,
+    Jupyter and matplotlib folders (created under `work`) and no user site-packages; the
+    variables of DROPPED_ENV map to None (removed)."""
+    env: dict = {name: None for name in DROPPED_ENV}
+    for name, sub in ISOLATED_DIRS.items():
+        folder = work / "isolated" / sub
+        folder.mkdir(parents=True, mode=0o700)
+        env[name] = str(folder)
+    env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
+def remove_tree(folder: Path) -> None:
+    """Remove `folder` even where the submission took away its own permissions to do so."""
+    for root, dirs, _ in os.walk(folder):
+        for name in dirs:
+            try:
+                os.chmod(os.path.join(root, name), 0o700, follow_symlinks=False)
+            except (OSError, NotImplementedError):
+                pass
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def output_name(submission: str) -> str:
+    """A flat file name for a submission's relative path, distinct for distinct paths:
+    `dup/x.ipynb` -> `dup%2Fx.ipynb`, while `dup__x.ipynb` stays itself ('%' is escaped too)."""
+    return submission.replace("%", "%25").replace("/", "%2F").replace(os.sep, "%2F")
+
+
+def read_submission(path: Path) -> tuple[Optional[bytes], str]:
+    """(the file's bytes, "") or (None, why it was refused). Only a regular file is opened: a
+    symlink, FIFO, device or folder is refused without reading anything from it."""
+    try:
+        info = os.lstat(path)
+    except OSError as exc:
+        return None, f"refused: cannot be examined ({exc.strerror}); not run"
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISDIR, "a folder"), (stat.S_ISSOCK, "a socket"))
+    kind = next((what for test, what in kinds if test(info.st_mode)), "a device or special file")
+    if not stat.S_ISREG(info.st_mode):
+        return None, f"refused: {kind}, not a regular file; not run (submit the notebook itself)"
+    try:
+        return read_regular_file(path, MAX_SUBMISSION_BYTES, "the submission's bytes"), ""
+    except BadRecord:
+        return None, (f"refused: not a regular file of at most {MAX_SUBMISSION_BYTES:,} bytes; "
+                      "not run")
+    except OSError as exc:
+        return None, f"refused: cannot be opened as a regular file ({exc.strerror}); not run"
+
+
+def _mentions(nb, ps: ProblemSet) -> bool:
+    """Whether a code cell names the problem set's grader module (`chNN`) or defines one of its
+    functions."""
+    chapter = ps.stem[:2]
+    names = "|".join(re.escape(e.title) for e in ps.exercises)
+    pattern = re.compile(rf"\bch{chapter}\b" + (rf"|\b(?:def|class)\s+(?:{names})\b" if names
+                                                  else ""))
+    return any(cell.cell_type == "code" and pattern.search(cell.source) for cell in nb.cells)
+
+
+def other_problem_set(nb, ps: ProblemSet, sets: list[ProblemSet]) -> Optional[str]:
+    """None when the notebook holds an exercise of `ps` (or `ps` has none), else a status
+    saying it is not that problem set and, when one fits, which one it looks like."""
+    if not ps.exercises or _mentions(nb, ps):
+        return None
+    others = [s.stem for s in sets if s is not ps and s.exercises and _mentions(nb, s)]
+    looks = f" (it looks like {others[0]}: rename the file to name that problem set)" \
+        if len(others) == 1 else ""
+    return (f"wrong problem set: the file name says {ps.stem}, but the notebook holds none of "
+            f"its exercises{looks}; not run")
 
 
 def _cleared(nb):
@@ -100,7 +189,8 @@ def _cleared(nb):
 
 def _run(path_nb: Path, work: Path, timeout: float, cell_timeout: float, kernel: str,
          check_time_limit: float, executed: Optional[Path]) -> tuple[str, Path]:
-    """Run the cleared notebook under a supervisor; (status sentence, transcript path)."""
+    """Run the cleared notebook under a supervisor; (status sentence, transcript path). The
+    kernel gets the fresh folders of isolated_environment(work)."""
     records = work / "records.jsonl"
     records.touch()
     cwd = work / "cwd"
@@ -110,7 +200,8 @@ def _run(path_nb: Path, work: Path, timeout: float, cell_timeout: float, kernel:
     config.write_text(json.dumps({
         "notebook": str(path_nb), "cwd": str(cwd), "kernel": kernel, "timeout": timeout,
         "cell_timeout": cell_timeout, "startup_timeout": STARTUP_TIMEOUT, "marker": marker,
-        "executed": str(executed) if executed else None}))
+        "executed": str(executed) if executed else None,
+        "kernel_env": isolated_environment(work)}))
     env = dict(os.environ)
     env.update({RECORD_ENV: str(records), supervisor.MARKER_ENV: marker,
                 "MINILLM_GRADE_TIME_LIMIT": str(check_time_limit)})
@@ -187,40 +278,56 @@ def grade_submission(path: Path, sets: list[ProblemSet], timeout: float = 300,
     row.scores = {e.id: 0 for e in ps.exercises}
     limit = default_time_limit() if check_time_limit is None else float(check_time_limit)
     cell_limit = DEFAULT_CELL_TIMEOUT if cell_timeout is None else float(cell_timeout)
+    data, refused = read_submission(path)
+    if data is None:
+        row.status = refused
+        return row
     try:
-        nb = nbformat.read(str(path), as_version=4)
+        nb = nbformat.reads(data.decode("utf-8"), as_version=4)
     except Exception as exc:
         row.status = f"not a readable notebook: {type(exc).__name__}: {str(exc)[:200]}"
         return row
-    with tempfile.TemporaryDirectory(prefix="minillm-grade-", ignore_cleanup_errors=True) as tmp:
-        work = Path(tmp)
-        cleared = work / "submission.ipynb"
-        nbformat.write(_cleared(nb), str(cleared))
-        executed = work / "executed.ipynb" if executed_dir is not None else None
-        row.status, records = _run(cleared, work, timeout, cell_limit, kernel, limit, executed)
-        try:
-            runs = read_records(records)
-        except (BadRecord, OSError) as exc:
-            runs = {}
-            row.status += f"; its recorded answers were ignored: {exc}"
-        for exercise in ps.exercises:             # only this problem set's ids; none printed
-            result = replay_transcript(exercise, runs.get(exercise.id))
-            row.results[exercise.id] = result
-            row.scores[exercise.id] = max(0, min(result.score, exercise.max))
-        flags = [reference_use(nb, e, runs.get(e.id)) for e in ps.exercises]
-        flags = [f for f in flags if f]
-        if flags:
-            row.status += "; policy: " + "; ".join(flags)
-        if executed is not None:
-            try:
-                data = read_regular_file(executed, MAX_RECORD_BYTES, "the executed notebook")
-            except (BadRecord, OSError):
-                data = None
-            if data is not None:
-                executed_dir.mkdir(parents=True, exist_ok=True)
-                flat = (name or path.name).replace("/", "__").replace(os.sep, "__")
-                (executed_dir / flat).write_bytes(data)
+    wrong_set = other_problem_set(nb, ps, sets)
+    if wrong_set:
+        row.status = wrong_set
+        return row
+    work = Path(tempfile.mkdtemp(prefix="minillm-grade-"))
+    try:
+        _grade_in(work, nb, row, ps, timeout, cell_limit, kernel, limit, executed_dir,
+                  output_name(name or path.name))
+    finally:
+        remove_tree(work)
     return row
+
+
+def _grade_in(work: Path, nb, row: Row, ps: ProblemSet, timeout: float, cell_limit: float,
+              kernel: str, limit: float, executed_dir: Optional[Path], flat: str) -> None:
+    """Run the notebook in the work folder `work` and fill `row` with its grades."""
+    cleared = work / "submission.ipynb"
+    nbformat.write(_cleared(nb), str(cleared))
+    executed = work / "executed.ipynb" if executed_dir is not None else None
+    row.status, records = _run(cleared, work, timeout, cell_limit, kernel, limit, executed)
+    try:
+        runs = read_records(records)
+    except (BadRecord, OSError) as exc:
+        runs = {}
+        row.status += f"; its recorded answers were ignored: {exc}"
+    for exercise in ps.exercises:             # only this problem set's ids; none printed
+        result = replay_transcript(exercise, runs.get(exercise.id))
+        row.results[exercise.id] = result
+        row.scores[exercise.id] = max(0, min(result.score, exercise.max))
+    flags = [reference_use(nb, e, runs.get(e.id)) for e in ps.exercises]
+    flags = [f for f in flags if f]
+    if flags:
+        row.status += "; policy: " + "; ".join(flags)
+    if executed is not None:
+        try:
+            data = read_regular_file(executed, MAX_RECORD_BYTES, "the executed notebook")
+        except (BadRecord, OSError):
+            data = None
+        if data is not None:
+            executed_dir.mkdir(parents=True, exist_ok=True)
+            (executed_dir / flat).write_bytes(data)
 
 
 def check_limits(timeout: float, check_time_limit: Optional[float],
@@ -241,11 +348,13 @@ def check_limits(timeout: float, check_time_limit: Optional[float],
 def write_feedback(row: Row, folder: Path) -> None:
     """The grades computed here, one report per exercise with every failed check's message."""
     folder.mkdir(parents=True, exist_ok=True)
-    flat = row.submission.replace("/", "__").replace(os.sep, "__")
+    flat = output_name(row.submission)
+    if flat.endswith(".ipynb"):
+        flat = flat[:-len(".ipynb")]
     text = [f"{row.submission} ({row.problem_set or 'no problem set'}): "
             f"{sum(row.scores.values())}/{sum(row.maxima.values())}", f"status: {row.status}", ""]
     text += [str(result) + "\n" for result in row.results.values()]
-    (folder / (Path(flat).stem + ".txt")).write_text("\n".join(text), encoding="utf-8")
+    (folder / (flat + ".txt")).write_text("\n".join(text), encoding="utf-8")
 
 
 def grade_folder(exercises_dir, submissions_dir, out_csv=None, timeout: float = 300,

@@ -41,7 +41,7 @@ def _residual_sums_to_one(fn):
     p = torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64)
     q = torch.tensor([0.2, 0.2, 0.6], dtype=torch.float64)
     r = _call_residual(fn, p, q)
-    if abs(float(r.sum()) - 1) > 1e-6:
+    if not abs(float(r.sum()) - 1) <= 1e-6:                     # NaN never passes
         hint = (" -- that is max(0, p - q) without renormalising: divide by its sum"
                 if torch.allclose(r, (p - q).clamp_min(0), atol=1e-6) else "")
         raise Problem(f"for p={_fmt(p)}, q={_fmt(q)} your residual {_fmt(r)} sums to "
@@ -66,7 +66,7 @@ def _residual_zero_where_draft_covers(fn):
     p = torch.tensor([0.1, 0.6, 0.3], dtype=torch.float64)
     q = torch.tensor([0.4, 0.2, 0.4], dtype=torch.float64)
     r = _call_residual(fn, p, q)
-    if float(r[0]) > 1e-9 or float(r[2]) > 1e-9:
+    if not (float(r[0]) <= 1e-9 and float(r[2]) <= 1e-9):        # NaN never passes
         raise Problem(f"for p={_fmt(p)}, q={_fmt(q)} tokens 0 and 2 have q >= p, so the residual "
                       f"must give them 0; you returned {_fmt(r)}")
 
@@ -176,7 +176,7 @@ def _rs_acceptance_rate(fn):
     g = torch.Generator().manual_seed(1)
     n = 1000
     acc = sum(len(_call_rs(fn, p, [0], q, g)) == 2 for _ in range(n)) / n
-    if abs(acc - 0.25) > 0.05:
+    if not abs(acc - 0.25) <= 0.05:
         hint = (" -- that is min(1, q/p): the ratio is p(d) / q(d), target over draft"
                 if acc > 0.9 else "")
         raise Problem(f"a draft token with p=0.2 and q=0.8 must be accepted with probability "
@@ -187,7 +187,7 @@ def _rs_distribution(fn):
     for seed in (3,):
         p, q = _case(seed)
         pval, freqs = _first_token_test(fn, p, q, 1500, seed)
-        if pval < 1e-4:
+        if not pval >= 1e-4:                          # a NaN p-value fails too
             raise Problem(f"p[0]={_fmt(p[0])}, q={_fmt(q[0])} (q is 0 on a token where p > 0): "
                           f"your first emitted token has frequencies {_fmt(freqs)} over 1500 "
                           f"runs (chi-square p-value {pval:.1e}); they must follow p[0]. Check the "
@@ -197,7 +197,7 @@ def _rs_distribution(fn):
 def _rs_one_hot(fn):
     p = torch.tensor([[0.3, 0.5, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)
     pval, freqs = _first_token_test(fn, p, None, 1500, 9, one_hot_draft=[1])
-    if pval < 1e-4:
+    if not pval >= 1e-4:
         raise Problem(f"draft_probs=None (a one-hot draft of token 1), p[0]={_fmt(p[0])}: your "
                       f"first tokens have frequencies {_fmt(freqs)}; they must follow p[0] "
                       "(accept with probability p(1), else sample p without token 1)")
@@ -217,7 +217,7 @@ def _rs_second_position(fn):
             counts[(out[1],)] = counts.get((out[1],), 0) + 1
             n += 1
     stat, pval = theory.chi_square(counts, {(x,): float(p[1, x]) for x in range(3)})
-    if n < 100 or pval < 1e-4:
+    if n < 100 or not pval >= 1e-4:
         freqs = [counts.get((x,), 0) / max(n, 1) for x in range(3)]
         raise Problem(f"after an accepted first draft, the second token must follow p[1]="
                       f"{_fmt(p[1])}; yours had frequencies {_fmt(freqs)} (chi-square p "
@@ -356,7 +356,7 @@ def _sp_break_even(fn):
     for k, c in ((4, 0.05), (4, 0.2), (2, 0.5)):
         a = theory.break_even_alpha(k, c)
         got = _sp(fn, a, k, c)
-        if abs(got - 1) > 1e-4:
+        if not abs(got - 1) <= 1e-4:                   # NaN never passes
             raise Problem(f"at alpha={a:.3f}, k={k}, c={c} speculation breaks even (speedup 1); "
                           f"you returned {got:.4f}")
 

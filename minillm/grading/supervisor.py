@@ -150,6 +150,10 @@ def _drive(cfg: dict, send) -> str:
     import nbformat
 
     nb = nbformat.read(cfg["notebook"], as_version=4)
+    # the kernel's connection file goes to the submission's own runtime folder too
+    runtime = (cfg.get("kernel_env") or {}).get("JUPYTER_RUNTIME_DIR")
+    if runtime:
+        os.environ["JUPYTER_RUNTIME_DIR"] = runtime
     try:
         status = asyncio.run(_execute(nb, cfg, send))
     finally:
@@ -159,6 +163,19 @@ def _drive(cfg: dict, send) -> str:
             except Exception:
                 pass
     return status
+
+
+def kernel_environment(cfg: dict) -> dict:
+    """The kernel's environment: this process's, with the submission's own HOME, IPYTHONDIR,
+    Jupyter and matplotlib folders (cfg["kernel_env"], made by the batch; None removes a
+    variable). The driver itself keeps the instructor's, to find the kernel spec."""
+    env = dict(os.environ)
+    for name, value in (cfg.get("kernel_env") or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = str(value)
+    return env
 
 
 async def _execute(nb, cfg: dict, send) -> str:
@@ -178,17 +195,23 @@ async def _execute(nb, cfg: dict, send) -> str:
     status = "ok"
     try:
         # the kernel's own stderr (start-up warnings, C-level noise) would clutter the log
-        async with client.async_setup_kernel(env=dict(os.environ), stderr=subprocess.DEVNULL):
+        async with client.async_setup_kernel(env=kernel_environment(cfg),
+                                             stderr=subprocess.DEVNULL):
             # Importing minillm (torch) takes seconds; it happens here, before the clock starts,
             # so that the per-cell limit measures the learner's cells, not the import.
             client.timeout = int(cfg["startup_timeout"])
             client.interrupt_on_timeout = False
+            # nbclient stores an executed cell at its index: the warm-up goes at the end, and
+            # out again, or it would replace the notebook's first cell (which then never ran)
+            nb.cells.append(nbformat.v4.new_code_cell(cfg.get("warm_up",
+                                                              "import minillm.grading")))
             try:
-                await client.async_execute_cell(nbformat.v4.new_code_cell(cfg.get(
-                    "warm_up", "import minillm.grading")), 0)
+                await client.async_execute_cell(nb.cells[-1], len(nb.cells) - 1)
             except CellTimeoutError:
                 return (f"stopped: the kernel did not import minillm within "
                         f"{cfg['startup_timeout']:g} s")
+            finally:
+                nb.cells.pop()
             deadline = time.monotonic() + timeout           # kernel start-up does not count
             for index, cell in enumerate(nb.cells):
                 if cell.cell_type != "code":
