@@ -266,3 +266,21 @@ def test_a_crash_is_a_500_in_the_openai_shape(model, tok):
             err = error_of(h.get(srv.base_url + "/v1/models"), 500)
             assert err["type"] == "internal_error" and "RuntimeError" in err["message"]
             assert h.get(srv.base_url + "/health").status_code == 200
+
+
+# --- the command line -------------------------------------------------------------------------
+def test_serve_help_states_the_cpu_step_budget_and_the_body_limit():
+    import subprocess
+    import sys
+    from minillm.serve import cli
+    proc = subprocess.run([sys.executable, "-m", "minillm", "serve", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert f"{cli.CPU_MAX_NUM_BATCHED_TOKENS} on the CPU" in text
+    assert cli.GAP_AT_CPU_DEFAULT in text and "--max-request-body-bytes" in text
+    bad = subprocess.run([sys.executable, "-m", "minillm", "serve", "--port", "0",
+                          "--max-request-body-bytes", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--max-request-body-bytes" in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr

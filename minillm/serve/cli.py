@@ -8,8 +8,10 @@ The port is bound before the model loads, so a port in use fails at once with a 
 
 --max-num-batched-tokens bounds the tokens of one step, and a step's time is what every other
 stream waits between two tokens. On a GPU 2048 tokens take milliseconds; on this course's CPU
-they took 12.9 s (an 8k prompt prefilling in 2048-token chunks froze a running stream that
-long), so the CPU default is CPU_MAX_NUM_BATCHED_TOKENS (see its measurement).
+a running stream waited 21.8 s while an 8k prompt prefilled in 2048-token chunks, so the CPU
+default is CPU_MAX_NUM_BATCHED_TOKENS (see its measurement). A smaller budget cannot take the
+stall much lower: a step at an 8k context also reads the whole context's KV (kernels/batched.py
+gathers every block of every sequence), about 0.8 s on that CPU whatever the chunk.
 """
 from __future__ import annotations
 
@@ -18,10 +20,12 @@ import sys
 from ..loader import BUNDLED
 
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
-# Measured (2 shared CPU cores, smollm2-135m, OMP_NUM_THREADS=1): the longest gap of a running
-# stream while an 8k-token prompt prefills is GAP_AT_CPU_DEFAULT at 64 and 12.9 s at 2048.
+# Measured 2026-11-24 (2 CPU cores shared with other work, load ~1.1; smollm2-135m, fp32,
+# OMP_NUM_THREADS=1, --num-kv-blocks 640): the longest gap of a running stream while an
+# 8000-token prompt prefills was 1.47 s at 64 (prefill 95 s) and 21.8 s at 2048 (prefill 64 s).
 CPU_MAX_NUM_BATCHED_TOKENS = 64
-GAP_AT_CPU_DEFAULT = "about 0.3 s"
+GAP_AT_CPU_DEFAULT = "1.5 s"
+GAP_AT_GPU_DEFAULT_ON_CPU = "21.8 s"
 
 
 def add_arguments(p) -> None:
@@ -38,9 +42,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"tokens per engine step (default: {GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, "
-                   f"{CPU_MAX_NUM_BATCHED_TOKENS} on the CPU, where one step's time is every "
-                   f"other stream's stall: {GAP_AT_CPU_DEFAULT} at {CPU_MAX_NUM_BATCHED_TOKENS} "
-                   "while an 8k prompt prefills, 12.9 s at 2048)")
+                   f"{CPU_MAX_NUM_BATCHED_TOKENS} on the CPU, or --max-num-seqs if larger; on "
+                   "the CPU one step's time is every other stream's stall: measured on 2 cores "
+                   f"while an 8k prompt prefills, {GAP_AT_CPU_DEFAULT} at "
+                   f"{CPU_MAX_NUM_BATCHED_TOKENS}, {GAP_AT_GPU_DEFAULT_ON_CPU} at "
+                   f"{GPU_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=256,
@@ -69,7 +75,7 @@ def run(args) -> int:
     budget = args.max_num_batched_tokens
     if budget is None:
         budget = (GPU_MAX_NUM_BATCHED_TOKENS if model.device.type == "cuda"
-                  else CPU_MAX_NUM_BATCHED_TOKENS)
+                  else max(CPU_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs))  # each decodes
     engine = LLMEngine(model, tok, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                        enable_chunked_prefill=not args.no_chunked_prefill,
