@@ -22,7 +22,8 @@ from ..loader import BUNDLED
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 # Measured 2026-11-24 (2 CPU cores shared with other work, load ~1.1; smollm2-135m, fp32,
 # OMP_NUM_THREADS=1, --num-kv-blocks 640): the longest gap of a running stream while an
-# 8000-token prompt prefills was 1.47 s at 64 (prefill 95 s) and 21.8 s at 2048 (prefill 64 s).
+# 8000-token prompt prefills was 1.47 s at 64 (prefill 95 s) and 21.8 s at 2048 (prefill 64 s);
+# 32 (with --max-num-seqs 32) gave 0.96 s but a 136 s prefill: the per-step KV gather is the floor.
 CPU_MAX_NUM_BATCHED_TOKENS = 64
 GAP_AT_CPU_DEFAULT = "1.5 s"
 GAP_AT_GPU_DEFAULT_ON_CPU = "21.8 s"

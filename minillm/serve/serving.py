@@ -5,15 +5,15 @@ The routes in api_server.py are one line each; a request's life happens here:
 
     step            method                    what can go wrong (status, see protocol.py)
     --------------  ------------------------  -----------------------------------------------
-    0. body         BodySizeLimit (api_server) more than --max-request-body-bytes (413), before
-                                              anything is parsed
+    0. body         BodySizeLimit             over --max-request-body-bytes (413), before
+                    (api_server.py)           anything is parsed
     1. check        check_request(body)       shutting down (503), unknown model (400),
                                               a field this server does not implement (400)
-    2. prompt       check_text, tokenize /    lone surrogates (400); more characters than
-                    chat_ids (a worker         max_model_len tokens could ever hold (400),
-                    thread, off the loop)      before tokenising; no chat template, template
-                                              refused (400)
-    3. admit        admit(body, ids, ...)     bad token ids, too long for max_model_len (the
+    2. prompt       check_prompt_text         lone surrogates (400); more characters than
+                                              max_model_len tokens could ever hold (400)
+                    in_worker(encode or       (a worker thread, off the event loop): bad token
+                    chat_prompt_ids)          ids, no chat template, template refused (400)
+    3. admit        admit(body, ids, ...)     too long for max_model_len (the
                                               context or the KV pool, whichever is smaller),
                                               bad sampling values (400); too many already
                                               waiting (429). Else: queued on the AsyncEngine,
@@ -191,10 +191,9 @@ class OpenAIServing:
             check_text(text, param)
             n += len(text)
         if n > self.max_prompt_chars:
-            raise APIError(400, f"{param} has {n} characters, more than the {self.max_model_len}"
-                           f" tokens this server's max_model_len can hold could ever be "
-                           f"(at most {self.max_prompt_chars} characters); shorten it",
-                           param=param)
+            raise APIError(400, f"{param} has {n} characters, but max_model_len "
+                           f"({self.max_model_len} tokens) never holds more than "
+                           f"{self.max_prompt_chars}; shorten it", param=param)
 
     async def in_worker(self, fn, *args, param: Optional[str] = None):
         """fn(*args) on the tokenizer thread; a ValueError (bad ids, template refused) -> 400."""
