@@ -9,13 +9,17 @@ answered or streamed) and runs the app; `AsyncEngine` (async_engine.py) runs the
     GET  /health                200 while the engine thread runs
     GET  /metrics               Prometheus text (see minillm.serve.metrics)
 
-A request's life: the handler validates the body (400 on anything wrong, before any engine
-work), tokenises, checks the request fits the context and KV pool, and hands it to the engine
-thread (429 if too many are already waiting). The engine thread adds it between two steps; each
-later step may produce new text, which arrives on the request's asyncio queue as a TextDelta and
-goes out as one server-sent event `data: {chunk}`; Finished brings the last chunk with the
-finish_reason (and usage if asked), then `data: [DONE]`.
-A client that goes away mid-stream has its request aborted, so its KV blocks are free for others.
+A request's life: a body over `max_body_bytes` is refused with 413 before it is parsed (its
+bytes are read and dropped, never kept); the handler validates the body (400 on anything wrong,
+before any engine work), tokenises on a worker thread (never on the event loop), checks the
+request fits max_model_len (the context or the KV pool, whichever is smaller), and hands it to
+the engine thread (429 if too many are already waiting). The engine thread adds it between two
+steps; each later step may produce new text, which arrives on the request's asyncio queue as a
+TextDelta and goes out as one server-sent event `data: {chunk}`; Finished brings the last chunk
+with the finish_reason (and usage if asked), then `data: [DONE]`.
+A client that goes away (streaming or not) has its request aborted, so its KV blocks are free
+for others. Every error, FastAPI's own 404/405/422 and a crash included, is an OpenAI error body
+{"error": {"message", "type", "param", "code"}}.
 
 Shutdown (SIGTERM or Ctrl-C): uvicorn stops accepting connections, new requests on open
 connections get 503, running requests get up to `drain_timeout` seconds to finish, then the
@@ -25,17 +29,20 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import signal
 import socket
 import sys
 import threading
 import time
+import traceback
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
@@ -56,9 +63,100 @@ def _validation_message(exc: RequestValidationError) -> tuple:
     return f"{param or 'body'}: {err.get('msg')} (got {err.get('input')!r:.80})", param
 
 
-def build_app(engine, model_name: str, max_waiting: int = 256) -> FastAPI:
+MAX_BODY_BYTES = 2 ** 20       # 1 MiB: a full 8k-token prompt is ~40 kB of text, ~60 kB of ids
+DRAIN_LIMIT_BYTES = 64 * 2 ** 20   # an oversized body up to this is read (and dropped) so the
+                                   # client gets its 413; a larger one has its connection closed
+
+
+class BodySizeLimit:
+    """ASGI middleware: a request body over `max_bytes` gets a 413 (OpenAI error body) before
+    any handler parses it. The excess is read in uvicorn's small chunks and dropped, so memory
+    does not grow with the body; without Content-Length the limit applies to the bytes read.
+
+        body <= max_bytes  -> replayed to the app as one message
+        body >  max_bytes  -> drained (up to DRAIN_LIMIT_BYTES), then 413
+    """
+
+    def __init__(self, app, max_bytes: int, on_reject=None):
+        self.app, self.max_bytes, self.on_reject = app, max_bytes, on_reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        declared = int(length) if length and length.isdigit() else None
+        chunks, size, more = [], 0, True
+        while more and size <= DRAIN_LIMIT_BYTES and (declared or 0) <= DRAIN_LIMIT_BYTES:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return                                   # the client went away
+            more = msg.get("more_body", False)
+            size += len(msg.get("body", b""))
+            if size <= self.max_bytes and (declared or 0) <= self.max_bytes:
+                chunks.append(msg.get("body", b""))
+            else:
+                chunks = []                              # over the limit: drop, keep draining
+        if size > self.max_bytes or (declared or 0) > self.max_bytes:
+            return await self._reject(send, max(size, declared or 0))
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()                   # http.disconnect, when it comes
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, send, size: int) -> None:
+        if self.on_reject is not None:
+            self.on_reject()
+        body = json.dumps(error_body(
+            f"the request body has at least {size} bytes, more than this server's limit of "
+            f"{self.max_bytes} (--max-request-body-bytes); send a shorter prompt",
+            code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class InternalErrors:
+    """ASGI middleware: a bug anywhere below becomes a 500 in the OpenAI shape (the traceback
+    goes to the log) and the connection stays usable; Starlette's own catch-all would answer
+    plain text and close it."""
+
+    def __init__(self, app, on_error=None):
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def tracked(msg):
+            nonlocal started
+            started = started or msg["type"] == "http.response.start"
+            await send(msg)
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:                 # noqa: BLE001 - answered, and logged
+            if scope["type"] != "http" or started:
+                raise                            # too late for a JSON answer
+            traceback.print_exc()
+            if self.on_error is not None:
+                self.on_error()
+            await JSONResponse(error_body(f"internal server error ({type(exc).__name__}); see "
+                                          "the server log", type="internal_error"),
+                               status_code=500)(scope, receive, send)
+
+
+def build_app(engine, model_name: str, max_waiting: int = 256,
+              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The FastAPI app serving `engine` (an LLMEngine with a tokenizer) as `model_name`: an
-    AsyncEngine, its Prometheus metrics and an OpenAIServing, wired to the routes."""
+    AsyncEngine, its Prometheus metrics and an OpenAIServing, wired to the routes; bodies over
+    `max_body_bytes` are refused (413) before parsing."""
     if engine.tokenizer is None:
         raise ValueError("the server needs a tokenizer to turn text into tokens; load the model "
                          "with one (minillm.load_model returns it)")
@@ -70,6 +168,7 @@ def build_app(engine, model_name: str, max_waiting: int = 256) -> FastAPI:
         aengine.start()
         yield
         aengine.stop()
+        serving.tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="minillm", lifespan=lifespan)
     app.state.draining = False          # set by uvicorn's shutdown (see run_server)
@@ -82,6 +181,9 @@ def build_app(engine, model_name: str, max_waiting: int = 256) -> FastAPI:
     app.state.engine, app.state.aengine, app.state.metrics = engine, aengine, metrics
     app.state.model_name, app.state.serving = model_name, serving
     _add_error_handlers(app, metrics)
+    app.add_middleware(InternalErrors, on_error=lambda: metrics.reject("engine_error"))
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes,      # the outermost
+                       on_reject=lambda: metrics.reject("invalid"))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -123,6 +225,29 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         message, param = _validation_message(exc)
         return JSONResponse(error_body(message, param=param), status_code=400)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        """FastAPI's own refusals: 404 (no such route), 405 (wrong method), a body that cannot
+        be parsed at all (invalid UTF-8, JSON nested too deeply: FastAPI's 400)."""
+        metrics.reject("invalid")
+        message, type_ = _http_message(request, exc)
+        return JSONResponse(error_body(message, type=type_), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+
+def _http_message(request, exc) -> tuple:
+    """(message, type) of a Starlette HTTPException, saying what to do."""
+    path, method = request.url.path, request.method
+    if exc.status_code == 404:
+        return (f"no route {path}; this server has POST /v1/completions, POST "
+                "/v1/chat/completions, GET /v1/models, /health, /metrics", "not_found_error")
+    if exc.status_code == 405:
+        return f"{method} is not allowed on {path}; see the Allow header", "invalid_request_error"
+    if exc.status_code == 400:
+        return ("the request body could not be parsed: send UTF-8 JSON (no invalid bytes, no "
+                "nesting deeper than Python's JSON parser allows)", "invalid_request_error")
+    return str(exc.detail), "invalid_request_error" if exc.status_code < 500 else "internal_error"
+
 
 # --- running it -------------------------------------------------------------------------------
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -154,9 +279,10 @@ def make_server(app: FastAPI, drain_timeout: float = 30.0, log_level: str = "inf
 
 
 def run_server(engine, model_name: str, sock: socket.socket, max_waiting: int = 256,
-               drain_timeout: float = 30.0, log_level: str = "info") -> None:
+               drain_timeout: float = 30.0, log_level: str = "info",
+               max_body_bytes: int = MAX_BODY_BYTES) -> None:
     """Serve until SIGTERM / SIGINT, then drain (see the module docstring)."""
-    app = build_app(engine, model_name, max_waiting=max_waiting)
+    app = build_app(engine, model_name, max_waiting=max_waiting, max_body_bytes=max_body_bytes)
     # uvicorn re-raises the signal once it has shut down; answer it with a normal exit (status
     # 0: the drain finished) instead of dying by the signal's default action.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -171,10 +297,12 @@ class BackgroundServer:
     """
 
     def __init__(self, engine, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 max_waiting: int = 256, drain_timeout: float = 5.0, log_level: str = "warning"):
+                 max_waiting: int = 256, drain_timeout: float = 5.0, log_level: str = "warning",
+                 max_body_bytes: int = MAX_BODY_BYTES):
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.app = build_app(engine, model_name, max_waiting=max_waiting)
+        self.app = build_app(engine, model_name, max_waiting=max_waiting,
+                             max_body_bytes=max_body_bytes)
         self.server = make_server(self.app, drain_timeout, log_level)
         self._thread: Optional[threading.Thread] = None
 
@@ -212,4 +340,4 @@ class BackgroundServer:
 
 
 __all__ = ["build_app", "run_server", "bind_socket", "make_server", "BackgroundServer",
-           "chat_prompt_ids"]
+           "BodySizeLimit", "InternalErrors", "MAX_BODY_BYTES", "chat_prompt_ids"]

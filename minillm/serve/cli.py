@@ -5,10 +5,28 @@
          -d '{"model": "smollm2-135m", "prompt": "The capital of France is", "max_tokens": 8}'
 
 The port is bound before the model loads, so a port in use fails at once with a message.
+
+--max-num-batched-tokens bounds the tokens of one step, and a step's time is what every other
+stream waits between two tokens. On a GPU 2048 tokens take milliseconds; on this course's CPU
+a running stream waited 21.8 s while an 8k prompt prefilled in 2048-token chunks, so the CPU
+default is CPU_MAX_NUM_BATCHED_TOKENS (see its measurement). A smaller budget cannot take the
+stall much lower: a step at an 8k context also reads the whole context's KV (kernels/batched.py
+gathers every block of every sequence), about 0.8 s on that CPU whatever the chunk.
 """
 from __future__ import annotations
 
+import sys
+
 from ..loader import BUNDLED
+
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+# Measured 2026-11-24 (2 CPU cores shared with other work, load ~1.1; smollm2-135m, fp32,
+# OMP_NUM_THREADS=1, --num-kv-blocks 640): the longest gap of a running stream while an
+# 8000-token prompt prefills was 1.47 s at 64 (prefill 95 s) and 21.8 s at 2048 (prefill 64 s);
+# 32 (with --max-num-seqs 32) gave 0.96 s but a 136 s prefill: the per-step KV gather is the floor.
+CPU_MAX_NUM_BATCHED_TOKENS = 64
+GAP_AT_CPU_DEFAULT = "1.5 s"
+GAP_AT_GPU_DEFAULT_ON_CPU = "21.8 s"
 
 
 def add_arguments(p) -> None:
@@ -23,11 +41,19 @@ def add_arguments(p) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help=f"tokens per engine step (default: {GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, "
+                   f"{CPU_MAX_NUM_BATCHED_TOKENS} on the CPU, or --max-num-seqs if larger; on "
+                   "the CPU one step's time is every other stream's stall: measured on 2 cores "
+                   f"while an 8k prompt prefills, {GAP_AT_CPU_DEFAULT} at "
+                   f"{CPU_MAX_NUM_BATCHED_TOKENS}, {GAP_AT_GPU_DEFAULT_ON_CPU} at "
+                   f"{GPU_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-waiting", type=int, default=256,
                    help="requests allowed to wait for a slot; more get 429")
+    p.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 before they are parsed (default 1 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds running requests get to finish after SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -36,17 +62,32 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from ..engine import LLMEngine
     from ..loader import load_model
-    from .api_server import bind_socket, run_server
+    from .api_server import MAX_BODY_BYTES, bind_socket, run_server
+    from .serving import max_model_len
 
+    body_limit = MAX_BODY_BYTES if args.max_request_body_bytes is None \
+        else args.max_request_body_bytes
+    if body_limit < 1:
+        raise ValueError(f"--max-request-body-bytes must be >= 1, got {body_limit}")
     sock = bind_socket(args.host, args.port)          # fail fast, before loading the model
     model, tok = load_model(args.model, weights=args.weights, device=args.device)
     if tok is None:
         raise ValueError(f"{args.model} has no tokenizer; the server needs one")
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        budget = (GPU_MAX_NUM_BATCHED_TOKENS if model.device.type == "cuda"
+                  else max(CPU_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs))  # each decodes
     engine = LLMEngine(model, tok, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                       max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                        enable_chunked_prefill=not args.no_chunked_prefill,
                        enable_prefix_caching=not args.no_prefix_caching)
+    usable, ctx = max_model_len(engine), model.config.max_position_embeddings
+    if usable < ctx:
+        print(f"note: the KV pool holds {engine.num_kv_blocks} blocks ({usable} tokens), less "
+              f"than the context of {ctx}; a request (prompt + max_tokens) may use {usable} "
+              f"tokens (/v1/models says max_model_len {usable}); raise --num-kv-blocks to "
+              f"{-(-ctx // args.block_size)} to serve full contexts", file=sys.stderr)
     run_server(engine, args.served_model_name or args.model, sock, max_waiting=args.max_waiting,
-               drain_timeout=args.drain_timeout, log_level=args.log_level)
+               drain_timeout=args.drain_timeout, log_level=args.log_level,
+               max_body_bytes=body_limit)
     return 0

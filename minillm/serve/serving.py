@@ -5,15 +5,22 @@ The routes in api_server.py are one line each; a request's life happens here:
 
     step            method                    what can go wrong (status, see protocol.py)
     --------------  ------------------------  -----------------------------------------------
+    0. body         BodySizeLimit             over --max-request-body-bytes (413), before
+                    (api_server.py)           anything is parsed
     1. check        check_request(body)       shutting down (503), unknown model (400),
                                               a field this server does not implement (400)
-    2. prompt       chat_prompt_ids / body    no chat template, template refused (400)
-    3. admit        admit(body, prompt, ...)  bad token ids, too long for the context or the KV
-                                              pool, bad sampling values (400); too many
-                                              already waiting (429). Else: queued on the
-                                              AsyncEngine, whose events arrive on a queue
+    2. prompt       check_prompt_text         lone surrogates (400); more characters than
+                                              max_model_len tokens could ever hold (400)
+                    in_worker(encode or       (a worker thread, off the event loop): bad token
+                    chat_prompt_ids)          ids, no chat template, template refused (400)
+    3. admit        admit(body, ids, ...)     too long for max_model_len (the
+                                              context or the KV pool, whichever is smaller),
+                                              bad sampling values (400); too many already
+                                              waiting (429). Else: queued on the AsyncEngine,
+                                              whose events arrive on a queue
     4a. answer      collect(admitted, req)    waits for Finished; Failed -> 500, Aborted ->
                                               503; a client that hangs up is aborted (499)
+                                              within DISCONNECT_POLL_S, even while tokens flow
     4b. stream      sse(admitted, chunk, ...) one `data: {chunk}` per TextDelta, the rest of
                                               the text with the finish_reason, usage, [DONE];
                                               a client that hangs up is aborted
@@ -25,6 +32,7 @@ The events (TextDelta, Finished, Failed, Aborted) are documented in async_engine
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import json
 import time
@@ -47,6 +55,37 @@ def chat_prompt_ids(tok, messages: list) -> list:
                        param="messages")
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok.encode(text, add_special_tokens=False)    # the template already has its markers
+
+
+DISCONNECT_POLL_S = 0.25     # a non-streaming request checks for a gone client this often
+
+
+def max_model_len(engine) -> int:
+    """Tokens (prompt + output) one request can actually use: the model's context, or the KV pool
+    when that is smaller (a request needs prompt + max_tokens - 1 cached tokens, and the pool is
+    never shared below one request). What /v1/models reports and default max_tokens respects."""
+    pool = engine.num_kv_blocks * engine.block_size
+    return min(engine.config.max_position_embeddings, pool)
+
+
+def max_chars_per_token(tok) -> int:
+    """An upper bound on the characters one token decodes to: the longest vocabulary entry (a
+    byte-level BPE entry has one character per byte; a decoded character is at least one byte).
+    A text longer than max_model_len * this can never fit, so it is refused before tokenising."""
+    try:
+        return max(1, max(len(t) for t in tok.get_vocab()))
+    except Exception:                            # noqa: BLE001 - a tokenizer without a vocab
+        return 128
+
+
+def check_text(text: str, param: str) -> None:
+    """Lone surrogates ("\\ud800", legal in JSON, not in UTF-8) cannot be tokenised: a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} contains an invalid character {text[e.start]!r} at "
+                       f"position {e.start} (a lone UTF-16 surrogate); send valid Unicode text",
+                       param=param) from None
 
 
 def sse_data(payload: dict) -> str:
@@ -73,13 +112,22 @@ class OpenAIServing:
         self.aengine = aengine
         self.model_name = model_name
         self.context_len = engine.config.max_position_embeddings
+        self.max_model_len = max_model_len(engine)
+        self.max_prompt_chars = self.max_model_len * max_chars_per_token(engine.tokenizer)
         self.is_draining = is_draining
+        # tokenising and chat templating run here, never on the event loop (a long prompt would
+        # stall every stream and /health); one worker, so the tokenizer is never used twice at once
+        self.tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="minillm-tokenizer")
 
     # --- the endpoints -------------------------------------------------------------------------
     async def create_completion(self, body: CompletionRequest, request: Request):
-        prompt = body.single_prompt()
         self.check_request(body)
-        adm = self.admit(body, prompt, body.max_tokens, default_max=16, prefix="cmpl")
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            self.check_prompt_text([prompt], "prompt")
+        ids = await self.in_worker(self.engine.encode, prompt)
+        adm = self.admit(body, ids, body.max_tokens, default_max=16, prefix="cmpl")
         chunk = functools.partial(self.completion_chunk, adm)
         if body.stream:
             return StreamingResponse(self.sse(adm, chunk, body.include_usage),
@@ -92,10 +140,9 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatCompletionRequest, request: Request):
         self.check_request(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            ids = chat_prompt_ids(self.engine.tokenizer, messages)
-        except ValueError as e:                  # the template refused the conversation
-            raise APIError(400, f"messages: {e}", param="messages") from None
+        self.check_prompt_text([m["content"] for m in messages], "messages")
+        ids = await self.in_worker(chat_prompt_ids, self.engine.tokenizer, messages,
+                                   param="messages")
         adm = self.admit(body, ids, body.requested_max_tokens, default_max=None,
                          prefix="chatcmpl")
         if body.stream:
@@ -116,7 +163,7 @@ class OpenAIServing:
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": 0, "owned_by": "minillm",
-                                            "max_model_len": self.context_len}]}
+                                            "max_model_len": self.max_model_len}]}
 
     def health(self):
         if not self.aengine.is_running:
@@ -136,15 +183,36 @@ class OpenAIServing:
                            code="model_not_found")
         body.check_supported()
 
-    def admit(self, body, prompt, max_tokens: Optional[int], default_max: Optional[int],
-              prefix: str) -> Admitted:
-        """Tokenise, size max_tokens (None: `default_max`, or what the context leaves when that
-        is None too), check the request fits and queue it on the engine thread."""
+    def check_prompt_text(self, texts: list, param: str) -> None:
+        """Before tokenising: valid Unicode, and no more characters than max_model_len tokens
+        could ever hold (so a 1 MB prompt is refused in microseconds, not tokenised first)."""
+        n = 0
+        for text in texts:
+            check_text(text, param)
+            n += len(text)
+        if n > self.max_prompt_chars:
+            raise APIError(400, f"{param} has {n} characters, but max_model_len "
+                           f"({self.max_model_len} tokens) never holds more than "
+                           f"{self.max_prompt_chars}; shorten it", param=param)
+
+    async def in_worker(self, fn, *args, param: Optional[str] = None):
+        """fn(*args) on the tokenizer thread; a ValueError (bad ids, template refused) -> 400."""
+        loop = asyncio.get_running_loop()
         try:
-            ids = self.engine.encode(prompt)
+            return await loop.run_in_executor(self.tokenizer_pool, fn, *args)
+        except ValueError as e:
+            message = f"{param}: {e}" if param else str(e)
+            raise APIError(400, message, param=param) from None
+
+    def admit(self, body, ids: list, max_tokens: Optional[int], default_max: Optional[int],
+              prefix: str) -> Admitted:
+        """Size max_tokens (None: `default_max`, or what max_model_len leaves when that is None
+        too; a default never exceeds what max_model_len leaves), check the request fits and queue
+        it on the engine thread."""
+        try:
             if max_tokens is None:
-                max_tokens = (default_max if default_max is not None
-                              else max(1, self.context_len - len(ids)))
+                room = max(1, self.max_model_len - len(ids))
+                max_tokens = room if default_max is None else min(default_max, room)
             params = body.sampling_params(max_tokens)
             self.engine.check(ids, params)
         except ValueError as e:
@@ -160,15 +228,17 @@ class OpenAIServing:
     async def collect(self, adm: Admitted, request: Request) -> Optional[RequestOutput]:
         """Wait for the finished output; None (and the request aborted) if the client
         disconnects meanwhile."""
-        event = None
+        event, checked = None, time.monotonic()
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(adm.events.get(), timeout=0.5)
+                    event = await asyncio.wait_for(adm.events.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    event = None
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:   # also while deltas flow
+                    checked = time.monotonic()
                     if await request.is_disconnected():
                         return None
-                    continue
                 match event:
                     case TextDelta():
                         continue                 # the text comes whole with Finished
@@ -235,4 +305,5 @@ class OpenAIServing:
                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens or 0}}
 
 
-__all__ = ["OpenAIServing", "Admitted", "chat_prompt_ids", "sse_data"]
+__all__ = ["OpenAIServing", "Admitted", "chat_prompt_ids", "sse_data", "max_model_len",
+           "check_text"]
