@@ -13,7 +13,6 @@ is fed NaN answers two ways, and no check that looks at an answer may pass:
 A check may pass only when its name says it looks at no returned value: it checks that bad input
 raises, that an argument is left untouched, or that an empty range gives nothing.
 """
-import importlib
 import inspect
 import math
 import re
@@ -23,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.grading import Exercise, grade
+from minillm.grading import grade
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from test_grading_transcript import MODULES, _learner  # noqa: E402
+from test_grading_transcript import _learner, graded_exercises  # noqa: E402
 
 NO_VALUE_LOOKED_AT = re.compile(r"\braises?\b|untouched|an empty range gives no slots")
 
@@ -99,18 +98,7 @@ def nan_class(cls):
     return NaNified
 
 
-def _cases():
-    cases = []
-    for module_name in MODULES:
-        module = importlib.import_module(module_name)
-        for name, spec in module.GRADED.items():
-            exercise = spec[0] if isinstance(spec, tuple) else spec
-            assert isinstance(exercise, Exercise)
-            cases.append((module_name, exercise, name))
-    return cases
-
-
-CASES = _cases()
+CASES = graded_exercises()
 
 
 def _passed_on_an_answer(result) -> list:

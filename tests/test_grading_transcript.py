@@ -20,15 +20,25 @@ MODULES = ["test_grading"] + sorted(
     p.stem for p in (ROOT / "tests").glob("test_grading_ch[0-9][0-9].py"))
 
 
-def _cases():
+def graded_exercises() -> list:
+    """(test module, Exercise, learner function name) for every exercise of every chapter."""
     cases = []
     for module_name in MODULES:
         module = importlib.import_module(module_name)
         for name, spec in module.GRADED.items():
             exercise = spec[0] if isinstance(spec, tuple) else spec
             assert isinstance(exercise, Exercise)
-            for kind in ("solution", "stub"):
-                cases.append((module_name, exercise, kind, name))
+            cases.append((module_name, exercise, name))
+    return cases
+
+
+def _cases():
+    cases = []
+    for module_name, exercise, name in graded_exercises():
+        for kind in ("solution", "stub"):
+            cases.append((module_name, exercise, kind, name))
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
         seen = set()
         for name, bug, *_ in module.BUGS:
             if _bug_name(module, bug) not in seen:      # one case per distinct bug

@@ -190,13 +190,16 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False):
         self.pool = BlockPool(num_blocks, block_size, enable_caching)
         self.block_size = block_size
-        self.enable_caching = enable_caching
         self.seqs: dict = {}          # seq_id -> KVBlocks
         if enable_caching:
             from .prefix import PrefixCache     # chapter 06: the seam turned on
             self.prefix_cache = PrefixCache(self)
         else:
             self.prefix_cache = NoPrefixCache()
+
+    @property
+    def enable_caching(self) -> bool:
+        return self.pool.enable_caching
 
     @property
     def num_free_blocks(self) -> int:

@@ -102,8 +102,7 @@ class LLMEngine:
         num_cpu_blocks = self._check_cpu_blocks(num_cpu_blocks, num_kv_blocks, preemption)
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
-        self.enable_prefix_caching = bool(enable_prefix_caching)
-        self.block_manager = BlockManager(num_kv_blocks, block_size, self.enable_prefix_caching)
+        self.block_manager = BlockManager(num_kv_blocks, block_size, bool(enable_prefix_caching))
         self.prefix_cache_stats = PrefixCacheStats()     # prompt tokens looked up / hit
         self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
@@ -364,6 +363,10 @@ class LLMEngine:
     def get_request(self, request_id: str) -> list:
         """The live Request objects of an unfinished request (sample 0 first)."""
         return list(self.groups[request_id])
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.block_manager.enable_caching
 
     @property
     def num_preemptions(self) -> int:
