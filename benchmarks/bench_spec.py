@@ -13,12 +13,16 @@ The methods run side by side: for every prompt each method runs once, in rotatin
 machine load hits them alike. Speedup = that method's tokens/s / none's tokens/s, from the
 summed tokens and times over the prompts. Greedy outputs are checked to be identical.
 
-Part 2, the engine (`minillm.LLM`) at batch 1, 4, 16 with and without ngram on the grounded
-set: where speculation stops paying as the batch grows (the verification is no longer free when
-the step is compute-bound; on a CPU that comes early).
+Part 2, the engine (`minillm.LLM`) at batch 1, 4, 16 with and without ngram on one grounded
+prompt replicated B times (acceptance held fixed across batch sizes): where speculation stops
+paying as the batch grows (the verification is no longer free when the step is compute-bound; on
+a CPU that comes early).
 
     python benchmarks/bench_spec.py                         # CPU defaults (~10-20 min on 2 cores)
     python benchmarks/bench_spec.py --num-prompts 2 --max-tokens 24 --temperatures 0   # smoke
+
+Each batch-1 row keeps every prompt's acceptance and speedup (`per_prompt`): the spread.
+`--append --out FILE` adds a run's rows to FILE, so a long benchmark runs as several short ones.
 
 Writes benchmarks/results/spec_<device>_<date>.json (device, date, versions, command, load) and a
 PNG with the same name. CPU numbers describe this CPU only; GPU numbers come from a GPU run.
@@ -61,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--sweep-max-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
+    p.add_argument("--append", action="store_true",
+                   help="add this run's rows to --out (a long benchmark split into short runs)")
     return p.parse_args(argv)
 
 
@@ -86,14 +92,26 @@ def proposers(model, args):
     return out
 
 
+def _per_prompt(runs, base) -> list:
+    """Each prompt's acceptance and its own speedup (tokens/s over plain decoding's tokens/s on
+    the same prompt): the spread a conclusion must survive."""
+    out = []
+    for i, r in enumerate(runs):
+        b = base["per_prompt"][i] if base else None
+        sp = ((r["tokens"] / r["seconds"]) / (b["tokens"] / b["seconds"])) if b else None
+        out.append(dict(r, speedup=round(sp, 3) if sp else None))
+    return out
+
+
 def batch1(model, tok, args, props) -> list:
     rows = []
     sets = {"grounded": chat(tok, grounded_prompts(args.num_prompts)),
             "open": chat(tok, open_prompts(args.num_prompts))}
     names = list(props)
-    for temp in [float(t) for t in args.temperatures.split(",")]:
+    for temp in [float(t) for t in args.temperatures.split(",") if t]:
         for set_name, prompts in sets.items():
-            acc = {m: dict(tokens=0, time=0.0, stats=spec.SpecStats(), outs=[]) for m in names}
+            acc = {m: dict(tokens=0, time=0.0, stats=spec.SpecStats(), outs=[], per_prompt=[])
+                   for m in names}
             for i, prompt in enumerate(prompts):
                 order = names[i % len(names):] + names[:i % len(names)]   # rotate
                 for m in order:
@@ -108,6 +126,9 @@ def batch1(model, tok, args, props) -> list:
                     a["time"] += dt
                     a["outs"].append(out)
                     a["stats"].merge(st)
+                    a["per_prompt"].append(dict(tokens=len(out), seconds=round(dt, 4),
+                                                acceptance_rate=st.acceptance_rate,
+                                                mean_accepted_length=st.mean_accepted_length))
             base = acc["none"]["tokens"] / acc["none"]["time"] if "none" in acc else None
             for m in names:
                 a = acc[m]
@@ -117,6 +138,7 @@ def batch1(model, tok, args, props) -> list:
                            seconds=round(a["time"], 3), tokens_per_s=round(tps, 3),
                            speedup=round(tps / base, 3) if base else None,
                            draft_seconds=round(a["stats"].draft_time, 3),
+                           per_prompt=_per_prompt(a["per_prompt"], acc.get("none")),
                            **{k: v for k, v in a["stats"].as_dict().items()})
                 if temp == 0 and "none" in acc:
                     row["identical_to_plain_greedy"] = a["outs"] == acc["none"]["outs"]
@@ -129,7 +151,9 @@ def batch1(model, tok, args, props) -> list:
 
 def engine_sweep(model, tok, args) -> list:
     rows = []
-    prompts = chat(tok, grounded_prompts(max(int(b) for b in args.batch_sizes.split(","))))
+    # one grounded prompt replicated B times: every batch size sees the same acceptance, so a
+    # change of speedup with B is the batch's doing, not a different prompt mix's
+    prompts = chat(tok, grounded_prompts(1)) * max(int(b) for b in args.batch_sizes.split(","))
     sp = SamplingParams(temperature=0.0, max_tokens=args.sweep_max_tokens)
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         res = {}
@@ -193,6 +217,11 @@ def plot(result, path):
     fig.savefig(path, dpi=110)
 
 
+def _run_meta(r) -> dict:
+    return {k: r.get(k) for k in ("command", "date", "load_average_before", "load_average_after",
+                                  "seconds")}
+
+
 def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -216,6 +245,12 @@ def main(argv=None):
     RESULTS.mkdir(exist_ok=True)
     out = (Path(args.out) if args.out
            else RESULTS / f"spec_{args.device}_{result['date'].replace('-', '')}.json")
+    if args.append and out.exists():              # one record from several short runs
+        old = json.loads(out.read_text())
+        for key in ("batch1", "engine_sweep"):
+            old[key] = old.get(key, []) + result[key]
+        old["runs"] = old.get("runs", [_run_meta(old)]) + [_run_meta(result)]
+        result = old
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
     print(f"wrote {out}")

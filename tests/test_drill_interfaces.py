@@ -217,13 +217,15 @@ def test_mock_report_with_a_fake_clock(tmp_path):
     script = [
         (3, "latency or throughput? context lengths? which gpu, model and dtype? qps and p99 slo? "
             "cost? tenants?"), (0, "."),
-        (6, "openai api server streaming; scheduler with waiting queue; kv block manager; "
-            "model runner; sampler; continuous batching"), (0, "."),
+        (6, "the openai api server streams tokens and puts each request in the scheduler's "
+            "waiting queue; the scheduler asks the kv block manager for blocks, the model runner "
+            "runs one continuous batching step and the sampler picks the tokens"), (0, "."),
         (2, "200"),                                   # the capacity estimate
         (9, "block table and free list; refcount and copy-on-write fork; admission and preemption; "
             "prefix hash; chunked budget"), (10, "."),
-        (5, "replicas behind a load balancer; tensor parallel; fp8 quantization; prefix caching; "
-            "429 on overload; trade-off: latency vs cost"), (0, "."),
+        (5, "run replicas behind a load balancer, tensor parallel inside a node and fp8 "
+            "quantization; keep prefix caching on and answer 429 on overload. the trade-off is "
+            "latency vs cost"), (0, "."),
         (2, "speculative decoding: a draft proposes tokens, the target verifies them in one pass; "
             "rejection sampling keeps the exact distribution; several tokens per pass"),
         (1, "I don't know"),

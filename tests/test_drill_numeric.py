@@ -263,3 +263,14 @@ def test_prefix_savings_match_minillm_prefix_cache():
         assert len(hits) * bs == formulas.prefix_cached_tokens(prefix, bs)
     # a prompt seen whole: the last token is computed, so the hit stops a block short
     assert num_cacheable_blocks(64, 16) == 3 == (64 - 1) // 16
+
+
+@pytest.mark.parametrize("gen", ["decode_step_time", "decode_tokens_per_s", "decode_intensity",
+                                 "compute_cap_tokens"])
+def test_single_gpu_questions_never_pose_weights_that_do_not_fit(gen):
+    for seed in range(60):
+        n = generators.make_numeric(gen, f"fit:{seed}", {})
+        p = n.params
+        gpu = kvmath.GPUS[p.get("gpu", "H100-SXM-80GB")]
+        weights = kvmath.weight_bytes(configs.get(p["model"]), p.get("dtype", "bfloat16"))
+        assert weights <= 0.9 * gpu.memory_bytes, (gen, p)

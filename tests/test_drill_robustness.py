@@ -219,7 +219,10 @@ def test_an_answer_at_the_cap_is_graded():
     inst = q.instance(0)
     answer = (inst.answer + " ") * (bank_mod.MAX_ANSWER_CHARS // (len(inst.answer) + 1))
     assert len(answer) <= bank_mod.MAX_ANSWER_CHARS
-    assert inst.grade(answer).score == 1.0
+    grade = inst.grade(answer)                 # graded, not refused ...
+    assert grade.feedback.startswith("Score")
+    # ... and, being many times the model answer, capped at half (issue 18)
+    assert grade.score == bank_mod.CAPPED_SCORE and "model answer: an interviewer" in grade.feedback
 
 
 def test_the_quiz_asks_again_after_an_overlong_answer():

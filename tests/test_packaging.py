@@ -28,9 +28,24 @@ def _environment():
             in_pip = True
             continue
         if in_pip and line.strip().startswith("- "):
-            r = line.strip()[2:]
+            r = line.split("#")[0].strip()[2:].strip().strip('"')
             reqs[_name(r)] = _spec(r)
     return reqs
+
+
+def _markers(reqs) -> dict:
+    return {_name(r): r.split(";", 1)[1].replace(" ", "") for r in reqs if ";" in r}
+
+
+def test_environment_yml_keeps_pyproject_platform_markers():
+    """triton is Linux-only in pyproject.toml; environment.yml must say so too, or the README's
+    conda path fails on macOS (issue 18)."""
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    py = _markers(list(data["dependencies"]) + list(data["optional-dependencies"]["dev"]))
+    env = _markers([line.split("#")[0].strip()[2:].strip().strip('"')
+                    for line in (ROOT / "environment.yml").read_text().splitlines()
+                    if line.strip().startswith("- ") and ";" in line])
+    assert py and py == env, (py, env)
 
 
 def test_environment_yml_matches_pyproject():

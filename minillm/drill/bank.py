@@ -24,6 +24,7 @@ import yaml
 
 from . import generators
 from .facts import render
+from .shape import overlong_reason, salad_reason, words
 from .units import UnitError, compare, fmt_value, parse_quantity
 
 BANK_DIR = Path(__file__).with_name("bank")
@@ -32,6 +33,10 @@ BANK_DIR = Path(__file__).with_name("bank")
 # concept patterns, e.g. 'prefill.*compute', cost time quadratic in the length: a 320 kB answer
 # took 5.5 s, a 4,000-character one takes about a millisecond).
 MAX_ANSWER_CHARS = 4000
+
+# A concept answer that states a known wrong claim, lists terms without sentences, or runs many
+# times longer than the model answer scores at most this, whatever key points it hits.
+CAPPED_SCORE = 0.5
 
 KINDS = ("concept", "numeric", "spot_the_error", "scenario", "choice")
 DIFFICULTIES = (1, 2, 3)                   # 1 easy, 2 medium, 3 hard
@@ -116,6 +121,17 @@ class Instance:
         lines = [f"Score {score:.2f}: {len(hit)} of {len(q.points)} key points."]
         if missed:
             lines.append("Missing: " + "; ".join(missed) + ".")
+        caps = [f"Misconception: {w['says']}" for w in q.wrong
+                if any(re.search(p, text) for p in w["any"])]
+        # a question whose model answer is itself a list (metrics to track, keywords) takes one
+        shape = ((salad_reason(response) if not salad_reason(self.answer) else "")
+                 or overlong_reason(response, len(words(self.answer))))
+        if shape:
+            caps.append(f"Not an answer yet: {shape}.")
+        if caps and score > CAPPED_SCORE:
+            score = CAPPED_SCORE
+            lines[0] = f"Score {score:.2f} (capped): {len(hit)} of {len(q.points)} key points."
+        lines += caps
         lines.append(f"Model answer: {self.answer}")
         lines.append(q.see_also())
         return Grade(score, "\n".join(lines))
@@ -159,6 +175,9 @@ class Question:
     prompt: str = ""                        # concept/choice: the question; spot: the claim
     answer: str = ""                        # concept: the model answer
     points: tuple = ()                      # concept: ({"says": ..., "any": [regex, ...]}, ...)
+    wrong: tuple = ()                       # concept: known wrong claims, same shape; "says"
+                                            # is the correction printed when one matches
+    not_taught: str = ""                    # a public source, when no lecture teaches it yet
     options: tuple = ()                     # lettered kinds: the first one is the right one
     fact: str = ""                          # lettered kinds: the explanation / correct fact
     metrics: tuple = ()                     # scenario: ((name, low, high, unit), ...)
@@ -172,6 +191,8 @@ class Question:
         return _SECTION.match(self.section[0]).group(1)
 
     def see_also(self) -> str:
+        if self.not_taught:
+            return f"Not taught in this course yet; see {self.not_taught}"
         return "See: " + "; ".join(self.section)
 
     def instance(self, seed=0) -> Instance:
@@ -263,15 +284,17 @@ def _question(entry: dict, source: str) -> Question:
             raise BankError(f"{where}: section {ref!r} is neither an alias in sections.yaml nor "
                             "'notebooks/NN_name.ipynb#Heading'")
     kw = dict(id=qid, kind=kind, topic=topic, difficulty=entry["difficulty"], section=section,
-              source_file=source, fact=entry.get("fact", ""))
+              source_file=source, fact=entry.get("fact", ""),
+              not_taught=entry.get("not_taught", ""))
     if kind == "concept":
         points = tuple(_point(p) for p in entry.get("points", ()))
         if not entry.get("prompt") or not entry.get("answer") or not points:
             raise BankError(f"{where}: a concept question needs prompt, answer and points")
-        for p in points:
+        wrong = tuple(_point(p) for p in entry.get("wrong", ()))
+        for p in points + wrong:
             for rx in p["any"]:
                 re.compile(rx)
-        kw.update(prompt=entry["prompt"], answer=entry["answer"], points=points)
+        kw.update(prompt=entry["prompt"], answer=entry["answer"], points=points, wrong=wrong)
     elif kind == "numeric":
         gen = entry.get("generator")
         if gen not in generators.GENERATORS:

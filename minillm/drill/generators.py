@@ -267,10 +267,26 @@ def ridge(rng, **o) -> Numeric:
         dict(gpu=gpu.name), rel_tol=0.02)
 
 
+def _fits(cfg, gpu, dtype="bfloat16", share=0.9) -> bool:
+    """A question about one GPU never poses weights that do not fit on it (70B in BF16 is
+    ~140 GB: no single 80 GB or 141 GB GPU holds it with room for KV)."""
+    return kvmath.weight_bytes(cfg, dtype) <= share * gpu.memory_bytes
+
+
+def _model_on_gpu(rng, o, models, gpus, dtypes=("bfloat16",), tries=200):
+    for _ in range(tries):
+        cfg = configs.get(_pick(rng, o, "models", models))
+        gpu = kvmath.GPUS[_pick(rng, o, "gpus", gpus)]
+        dtype = _pick(rng, o, "dtypes", list(dtypes))
+        if _fits(cfg, gpu, dtype):
+            return cfg, gpu, dtype
+    raise ValueError("no drawn model fits on the drawn GPU; widen the bank entry's options")
+
+
 def _decode_setup(rng, o):
-    cfg = configs.get(_pick(rng, o, "models", ["llama-3-8b", "llama-2-7b", "llama-2-70b",
-                                                "mistral-7b", "qwen2.5-7b", "llama-3-70b"]))
-    gpu = kvmath.GPUS[_pick(rng, o, "gpus", ["H100-SXM-80GB", "A100-SXM-80GB", "H200-SXM-141GB"])]
+    cfg, gpu, _ = _model_on_gpu(rng, o, ["llama-3-8b", "llama-2-7b", "llama-2-70b", "mistral-7b",
+                                         "qwen2.5-7b", "llama-3-70b"],
+                                ["H100-SXM-80GB", "A100-SXM-80GB", "H200-SXM-141GB"])
     batch = _pick(rng, o, "batches", [1, 8, 32, 64])
     ctx = _pick(rng, o, "contexts", [0, 512, 2048, 4096])
     return cfg, gpu, batch, ctx
@@ -297,10 +313,10 @@ def decode_step_time(rng, **o) -> Numeric:
 
 @generator
 def decode_tokens_per_s(rng, **o) -> Numeric:
-    cfg = configs.get(_pick(rng, o, "models", ["llama-2-70b", "llama-3-8b", "llama-3-70b",
-                                                "mistral-7b"]))
-    gpu = kvmath.GPUS[_pick(rng, o, "gpus", ["H100-SXM-80GB", "A100-SXM-80GB", "H200-SXM-141GB"])]
-    dtype = _pick(rng, o, "dtypes", ["bfloat16", "int8", "int4"])
+    cfg, gpu, dtype = _model_on_gpu(rng, o, ["llama-2-70b", "llama-3-8b", "llama-3-70b",
+                                             "mistral-7b"],
+                                    ["H100-SXM-80GB", "A100-SXM-80GB", "H200-SXM-141GB"],
+                                    ["bfloat16", "int8", "int4"])
     nbytes = roofline.weight_read_params(cfg) * kvmath.dtype_bytes(dtype)
     v = gpu.bandwidth / nbytes
     return Numeric(
@@ -352,8 +368,8 @@ def prefill_time(rng, **o) -> Numeric:
 
 @generator
 def compute_cap_tokens(rng, **o) -> Numeric:
-    cfg = configs.get(_pick(rng, o, "models", ["llama-2-70b", "llama-3-8b", "llama-3-70b"]))
-    gpu = kvmath.GPUS[_pick(rng, o, "gpus", ["H100-SXM-80GB", "A100-SXM-80GB"])]
+    cfg, gpu, _ = _model_on_gpu(rng, o, ["llama-2-70b", "llama-3-8b", "llama-3-70b",
+                                         "mistral-7b"], ["H100-SXM-80GB", "A100-SXM-80GB"])
     flops_per_token = 2 * roofline.matmul_params(cfg)
     v = gpu.bf16_flops / flops_per_token
     return Numeric(

@@ -4,7 +4,8 @@ Five timed phases (clarify 5 / high-level design 10 / deep dive 15 / scale and t
 wrap-up 5 minutes). A design prompt is drawn from bank/mock.yaml; in the deep dive the candidate
 gives a capacity estimate that is checked against minillm.kvmath.plan_capacity; in the scale phase
 follow-up questions from the bank are asked and graded. Each criterion gets a 1-5 score and a
-markdown report is written at the end.
+markdown report is written at the end. A phase whose notes are a keyword salad or run far past
+its minutes is capped at 2 of 5 (`phase_shape_reason`).
 
 The clock and the input/output functions are parameters, so a test can run a whole interview in
 milliseconds with a fake clock.
@@ -22,6 +23,7 @@ import yaml
 
 from .. import configs, kvmath
 from .bank import BANK_DIR, _point, get
+from .shape import salad_reason, words
 from .units import UnitError, fmt_bytes, parse_quantity
 
 END = "."          # a line with just a dot ends a phase's notes
@@ -59,6 +61,23 @@ class MockResult:
                                                     #  feedback)
     rubric: dict = field(default_factory=dict)       # criterion -> (score 1-5, why)
     report_path: Path = None
+
+
+# A phase whose notes list the checklist's terms without saying anything (a keyword salad), or
+# run far past what the phase's minutes allow, scores at most this, however many terms it hits.
+SHAPE_CAP = 2
+WORDS_PER_MINUTE = 40          # notes of a spoken answer: about what fits in the phase's time
+NOTES_FUNCTION_SHARE = 0.08    # terse notes ("decision: TP=2, FP8 weights; measure p99") pass
+NOTES_FRAGMENT_WORDS = 2.0
+
+
+def phase_shape_reason(notes: str, minutes: float) -> str:
+    """'' when a phase's notes read as an answer; else why they do not."""
+    n = len(words(notes))
+    if n > WORDS_PER_MINUTE * minutes:
+        return (f"{n} words for a {minutes:g}-minute phase: an interviewer hears the decisions, "
+                "not everything you know")
+    return salad_reason(notes, NOTES_FUNCTION_SHARE, NOTES_FRAGMENT_WORDS)
 
 
 def _coverage_score(hits: int, total: int) -> int:
@@ -189,9 +208,13 @@ def _score(result: MockResult, data: dict) -> None:
         if p is None:
             return 1, "phase not reached"
         total = len(p.hits) + len(p.missed)
-        return _coverage_score(len(p.hits), total), (
+        score, why = _coverage_score(len(p.hits), total), (
             f"covered {len(p.hits)}/{total}"
             + (f"; missing: {', '.join(p.missed)}" if p.missed else ""))
+        shape = phase_shape_reason(p.notes, p.budget_s / 60)
+        if shape and score > SHAPE_CAP:
+            score, why = SHAPE_CAP, f"{why}; capped at {SHAPE_CAP}: {shape}"
+        return score, why
 
     r = {}
     r["requirements"] = cov("clarify")

@@ -7,11 +7,14 @@ token j positions further ahead than the model's own next token:
     target's lm_head(h_t)              -> token t + 1     (the verified next token)
     lm_head(h_t + SiLU(W_j h_t + b_j)) -> token t + 1 + j (head j = 1 .. K, a guess)
 
-Each head is one residual block of hidden x hidden weights; the vocabulary projection is the
-target's own lm_head, shared, so 4 heads for SmolLM2-135M are 4 x 576 x 577 weights (2.7 MB in
-fp16). Heads see only h_t, not the tokens they guessed before, so their guesses get worse with j
+Each head is one residual block of hidden x hidden weights. Here every head reuses the target's
+own frozen lm_head for the vocabulary projection, a simplification of this course that keeps 4
+heads for SmolLM2-135M at 4 x 576 x 577 weights (2.7 MB in fp16). The Medusa paper does not
+share it: each head has its own output matrix, initialised from the LM head and trained with the
+head. Heads see only h_t, not the tokens they guessed before, so their guesses get worse with j
 (chapter 07 measures it). EAGLE (Li et al. 2024) instead runs a one-layer transformer on the
-target's features autoregressively, which keeps later guesses better; it is not implemented here.
+target's features autoregressively, which keeps later guesses better, and verifies a tree of
+candidates from its first version on; it is not implemented here.
 
 The heads here are trained by self-distillation: on text the bundled model generated itself,
 head j learns to predict the token the model produced j steps later (`python -m

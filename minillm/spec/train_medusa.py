@@ -6,7 +6,9 @@
 1. Generate: the target answers a set of generated instructions (greedy, through minillm.LLM).
 2. Features: one no-cache forward per answer gives the final hidden state h_t at every position.
 3. Train: head j learns to predict token t + 1 + j from h_t. Default loss "ce": cross-entropy
-   through the frozen, shared lm_head (what the Medusa paper does). Loss "feature": regress the
+   through the target's frozen lm_head, which all heads reuse (this course's simplification: the
+   Medusa paper gives each head its own output matrix, initialised from the LM head and trained
+   with it). Loss "feature": regress the
    target's own hidden state h_{t+j}, whose lm_head gives that token; about 50x cheaper per
    position (no vocabulary-sized matmul) but, trained on the same 14,594 positions and measured
    on held-out prompts that shared the training topics, it stalled at a top-1 of 0.14 for head
