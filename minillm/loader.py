@@ -67,6 +67,37 @@ def default_dtype(device) -> torch.dtype:
     return torch.bfloat16 if _bf16_supported(device) else torch.float16
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def cpu_has_native_bf16() -> bool:
+    """bf16 arithmetic in hardware on this CPU (AVX512_BF16 or AMX, as torch reports it).
+    Without it torch emulates bf16, slower than fp32."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def resolve_dtype(dtype, device) -> torch.dtype:
+    """None or "auto" -> the device policy (`default_dtype`); a name ("bfloat16", "bf16",
+    "float32", ...) or a torch dtype -> that dtype. bf16 on a CPU needs native bf16
+    (`cpu_has_native_bf16`), else ValueError naming the fix."""
+    device = torch.device(device)
+    if dtype is None or dtype == "auto":
+        return default_dtype(device)
+    if isinstance(dtype, str):
+        if dtype.lower() not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}: use 'auto', 'float32', 'bfloat16' or "
+                             "'float16'")
+        dtype = _DTYPE_NAMES[dtype.lower()]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch dtype or its name, got {dtype!r}")
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_has_native_bf16():
+        raise ValueError("dtype='bfloat16' on this CPU would be emulated (no AVX512_BF16 or AMX: "
+                         "slower than fp32); use dtype='float32'")
+    return dtype
+
+
 def _bf16_supported(device: torch.device) -> bool:
     """Native bf16 on this GPU. `torch.cuda.is_bf16_supported()` asks the current device, so
     ask it with this one current; emulated bf16 (slow, on pre-Ampere parts) does not count."""
@@ -320,12 +351,13 @@ def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: st
     """Return `(model, tokenizer)`.
 
     name: "smollm2-135m" (bundled, offline), a local checkpoint directory, a preset name from
-    `minillm.configs.names()` or a ModelConfig (with `weights="random"`).
+    `minillm.configs.names()` or a ModelConfig (with `weights="random"`). dtype: None or "auto"
+    (the device policy: fp32 on a CPU), a name such as "bfloat16", or a torch dtype.
     """
     if weights not in ("pretrained", "random"):
         raise ValueError(f"weights must be 'pretrained' or 'random', got {weights!r}")
     device = resolve_device(device)
-    dtype = dtype or default_dtype(device)
+    dtype = resolve_dtype(dtype, device)
 
     if isinstance(name, ModelConfig):
         if weights != "random":

@@ -38,10 +38,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):                                    # x [..., C]
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # x * rsqrt(mean(x^2) + eps) in float32, as one torch call (F.rms_norm)
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
