@@ -4,6 +4,11 @@ One file to hold in your head: RMSNorm, rotary position embeddings (RoPE), group
 attention (GQA), a SwiGLU MLP, tied or untied embeddings. Qwen2 (bias on q/k/v) and Mistral are
 the same network with different numbers, so the same class serves them.
 
+Two products that read the same input are one product here (chapter 12): q, k and v come from
+one `QKVParallelLinear`, the MLP's gate and up from one `MergedColumnParallelLinear` (vLLM's
+names and shapes). The checkpoint keeps them apart; `minillm.loader` copies each part into its
+rows. The rotary cos/sin tables are computed once, when the model is built.
+
 Shapes use B = batch, T = tokens in this call, H = query heads, KVH = key/value heads,
 D = head_dim, C = hidden size, V = vocabulary.
 
