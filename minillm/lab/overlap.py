@@ -9,12 +9,15 @@ second Python thread can do the host work meanwhile.
     serial_s, overlapped_s, same = compare(prepare, forward, steps)
 
 `prepare(i)` builds step i's inputs (pure Python), `forward(inputs)` runs it (torch ops).
-Both runs must produce the same outputs; only the schedule of the work differs.
+Both runs must produce the same outputs (up to float rounding); only the schedule of the work
+differs.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+import torch
 
 
 def run_serial(prepare, forward, steps: int) -> tuple:
@@ -45,5 +48,8 @@ def compare(prepare, forward, steps: int, rounds: int = 3) -> tuple:
         o, b = run_overlapped(prepare, forward, steps)
         serial.append(s)
         overlapped.append(o)
-        same = same and all(x.equal(y) for x, y in zip(a, b))
+        # equal up to float rounding: a BLAS may round differently for buffers at other
+        # addresses, which the two schedules allocate in a different order
+        same = same and len(a) == len(b) and all(
+            torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
     return min(serial), min(overlapped), same
