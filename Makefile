@@ -3,6 +3,7 @@
 # make test-gpu     - on a CUDA machine: the Triton kernels compiled for the GPU (no interpreter),
 #                     then nbval over notebooks/ on the GPU
 # make test-browser - JupyterLab in headless Chromium: run a lecture, move a widget (CI runs it too)
+# make llama-cpp    - optional: llama-cpp-python built with native CPU flags (chapter 12's comparison)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -10,7 +11,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.minillm-installed
 NB_TIMEOUT ?= 600
 
-.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser exercises check-exercises bench train-draft clean-venv
+.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser exercises check-exercises bench train-draft llama-cpp clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -86,6 +87,13 @@ bench: $(STAMP)
 # chapter 07's learned draft: Medusa heads self-distilled on the bundled model (CPU, ~10-20 min)
 train-draft: $(STAMP)
 	$(BIN)/python -m minillm.spec.train_medusa --threads 2 --report benchmarks/results/medusa_train_cpu.json
+
+# optional (chapter 12, benchmarks/bench_engine.py --systems llama_cpp): llama-cpp-python built
+# from source with the native CPU flags (AVX-512, BF16, ...), ~15 min on 2 cores; make test never
+# needs it
+llama-cpp: $(STAMP)
+	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install --no-binary llama-cpp-python \
+	  "llama-cpp-python>=0.3.36" "diskcache>=5.6"
 
 clean-venv:
 	rm -rf $(VENV)

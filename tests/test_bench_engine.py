@@ -48,3 +48,30 @@ def test_skinny_gemm_benchmark_runs(capsys):
     for name in ("q/o proj", "gate/up", "down", "lm_head"):
         line = next(l for l in out.splitlines() if l.startswith(name))
         assert len([float(v) for v in line[22:].split()]) == 2
+
+
+def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
+    import torch
+
+    from minillm import loader
+    from minillm.configs import ModelConfig
+    bench = load("bench_engine")
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    seen = []
+    monkeypatch.setattr(bench, "run_minillm",
+                        lambda mini, p, o, a, scheduling="continuous": seen.append(mini.dtype))
+    cfg = ModelConfig(name="t", vocab_size=50, hidden_size=16, intermediate_size=32,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                      max_position_embeddings=64)
+    mini = loader.random_model(cfg, device="cpu", dtype=torch.float32)
+    bench.run_minillm_bf16(mini, [], [], None)
+    assert seen == [torch.bfloat16] and mini.dtype == torch.float32
+
+
+def test_llama_cpp_system_produces_the_requested_lengths():
+    pytest.importorskip("llama_cpp")
+    from minillm.loader import find_bundled_gguf
+    if find_bundled_gguf() is None:
+        pytest.skip("the bundled GGUF is not installed")
+    tokens, info = load("bench_engine").run_llama_cpp([[504, 3458, 314], [28, 9]], [3, 2], None)
+    assert [len(t) for t in tokens] == [3, 2] and info["gguf"].endswith(".gguf")

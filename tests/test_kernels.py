@@ -524,3 +524,43 @@ def test_kernels_compile_for_h100_without_spills():
     for r in rows:
         assert r["stack_bytes"] == 0, f"{r['variant']} spills registers: {r}"
         assert r["shared_bytes"] <= 228 * 1024, r                # H100 shared memory per SM
+
+
+def _consecutive_pool(n, block_size, dtype=torch.float32):
+    """One sequence of n tokens in blocks 1, 2, ... (consecutive), every other row NaN."""
+    k_cache, v_cache, tables, seq_lens, ks, vs = paged_kv([n], block_size, dtype=dtype)
+    nb = math.ceil(n / block_size)
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
+    tables[0, :nb] = torch.arange(1, nb + 1, dtype=torch.int32)
+    for t in range(n):
+        k_cache[1 + t // block_size, t % block_size] = ks[0][t]
+        v_cache[1 + t // block_size, t % block_size] = vs[0][t]
+    return k_cache, v_cache, tables, seq_lens
+
+
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_batched_reads_consecutive_blocks_as_a_view_and_stops_at_seq_len(q_len):
+    """One sequence whose blocks are consecutive is attended through a slice of the pool (no
+    gather); the NaN rows right after its last key must stay unread."""
+    n, block_size = 13, 4
+    k_cache, v_cache, tables, seq_lens = _consecutive_pool(n, block_size)
+    q = torch.randn(q_len, KV_HEADS * 3, HEAD_DIM)
+    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    plan = batched.plan_prefill(cu, seq_lens, tables, block_size)
+    assert isinstance(plan.groups[0].keys, slice)
+    args = (q, k_cache, v_cache, cu, seq_lens, tables, HEAD_DIM ** -0.5)
+    assert_close(batched.paged_prefill_attention(*args), reference.paged_prefill_attention(*args),
+                 torch.float32)
+
+
+def test_batched_store_kv_skips_negative_slots_like_the_reference():
+    k_cache, v_cache, _, _, _, _ = paged_kv([6], 4)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    k, v = torch.randn(4, KV_HEADS, HEAD_DIM), torch.randn(4, KV_HEADS, HEAD_DIM)
+    slots = torch.tensor([5, -1, 0, 9])
+    plan = batched.plan_store(batched.Plan([]), slots)
+    batched.store_kv(plan, k, v, k_cache, v_cache)
+    reference.store_kv(k, v, k2, v2, slots)
+    torch.testing.assert_close(k_cache, k2, equal_nan=True)
+    torch.testing.assert_close(v_cache, v2, equal_nan=True)

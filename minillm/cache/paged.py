@@ -170,10 +170,10 @@ class PagedKVCache:
         k_cache, v_cache = self.k[layer], self.v[layer]           # [num_blocks, bs, KVH, D]
         if self._checked and kernels.choose_impl(self.impl, self.device) == "torch":
             # The first layer checked this step's tensors through the public kernels; the
-            # others reuse one plan (gather rows, masks) of the batched CPU path.
+            # others reuse one plan (store slots, key slots, masks) of the batched CPU path.
             if self._plan is None:
-                self._plan = self._make_plan(meta)
-            kernels.reference.store_kv(k_flat, v_flat, k_cache, v_cache, meta.slot_mapping)
+                self._plan = kernels.batched.plan_store(self._make_plan(meta), meta.slot_mapping)
+            kernels.batched.store_kv(self._plan, k_flat, v_flat, k_cache, v_cache)
             out = kernels.batched.run(self._plan, q_flat, k_cache, v_cache, self.scale)
             return out.view(q.shape)                              # [1, T, H, D]
         check, self._checked = not self._checked, True            # check the tables once per step

@@ -27,7 +27,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ..loader import load_model
+from ..loader import load_model, resolve_device, resolve_dtype
 from ..sampling import SamplingParams
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -65,7 +65,10 @@ def as_prompt_list(prompts) -> list:
 class LLM:
     """model: a name or directory for `minillm.load_model`, or a `(model, tokenizer)` pair, or a
     Transformer (with `tokenizer=`). num_kv_blocks=None sizes the KV pool from memory (see
-    `minillm.engine.model_runner.CUDA_KV_FRACTION` and `CPU_KV_BYTES`)."""
+    `minillm.engine.model_runner.CUDA_KV_FRACTION` and `CPU_KV_BYTES`). dtype: None or "auto"
+    (bf16 or fp16 on a GPU, fp32 on a CPU), or e.g. "bfloat16": on a CPU with native bf16
+    (AVX512_BF16 or AMX) that halves the bytes every step reads; fp32 stays the CPU default
+    because it is what the tests compare with transformers."""
 
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
@@ -85,7 +88,8 @@ class LLM:
             raise ValueError("model must be a name for minillm.load_model, a (model, tokenizer) "
                              f"pair or a minillm Transformer, got {type(model).__name__}")
         if device is not None or dtype is not None:
-            model = model.to(device=device, dtype=dtype)
+            device = model.device if device is None else resolve_device(device)
+            model = model.to(device=device, dtype=resolve_dtype(dtype or model.dtype, device))
         self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, block_size=block_size,
                                 num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks,

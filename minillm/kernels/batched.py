@@ -4,15 +4,22 @@
 the answer key of the tests, but each sequence costs its own gather, repeat_interleave and two
 einsums in every layer. Here the whole batch takes ONE gather and ONE attention call:
 
-    k_cache[block_tables]      [B, max_blocks, block_size, KVH, D]  every sequence's blocks
-      -> keys                  [B, KVH, L, D]     L = max_blocks * block_size, padded per row
-    visible[b, i, j]           key j <= position of query i (keys past seq_len[b] fail too)
+    flat pool [num_blocks * block_size, KVH, D] .index_select(slots [B, L])
+      -> keys                  [B, KVH, L, D]     L = the longest sequence; one sequence whose
+                                                  blocks are consecutive is a view, no copy
+    visible[b, i, j]           key j <= position of query i (keys past seq_len[b] fail too;
+                               None when every query sees every key: one decode, or equal ones)
     scaled_dot_product_attention(q [B, H, Tq, D], keys, values, visible, enable_gqa=True)
 
 Sequences that bring one query (decodes) form one group with Tq = 1; sequences that bring
 several (prefill chunks) another, their queries padded to the longest chunk. A padding query
 sees only key 0, so no row is all -inf, and its output is dropped. Results equal the reference
 up to float rounding (tests/test_kernels.py compares them).
+
+Every op here runs once per layer, 30 times a step for SmolLM2, so the per-layer work is kept
+to the gather, one attention call and no masks it can skip; `store_kv` writes a step's K/V
+with one `index_copy_` per pool (the reference's boolean filter and 2-D index_put cost more
+than the copy at a decode step's few rows).
 
 Everything that depends only on the step (which rows form which group, the masks) is a `Plan`,
 built once; every layer of the model then runs `run(plan, ...)` with its own q and cache (the
@@ -31,35 +38,54 @@ import torch.nn.functional as F
 
 @dataclass
 class Group:
-    """Sequences attended together: their tables, which q rows they own, the masks."""
-    block_tables: torch.Tensor      # [G, max_blocks]
-    q_index: torch.Tensor           # [G, Tq] q row of each (padded) query
+    """Sequences attended together: where their keys are, which q rows they own, the mask."""
+    keys: object                    # slice(start, start + L) of the flat pool (one sequence
+                                    # whose blocks are consecutive: a view, no copy) or
+                                    # [G, L] int64 slot of each key (a gather)
+    q_index: Optional[torch.Tensor] # [G, Tq] q row of each (padded) query (None: rows 0..G-1)
     valid: Optional[torch.Tensor]   # [G, Tq] real queries (None: all real)
-    outside: torch.Tensor           # [G, 1, L, 1] slots past the sequence's end
-    visible: torch.Tensor           # [G, 1, Tq, L] key j visible to query i
+    visible: Optional[torch.Tensor] # [G, 1, Tq, L] key j visible to query i (None: all keys)
 
 
 @dataclass
 class Plan:
     groups: list                    # [Group]: decodes (Tq = 1), prefill chunks (padded Tq)
+    slots: Optional[torch.Tensor] = None      # [T] int64 store_kv's slots (see plan_store)
+    keep: Optional[torch.Tensor] = None       # [T] rows to store (None: every row)
+
+
+def _key_slots(block_tables, seq_lens, block_size):
+    """Where each sequence's keys are in the flat pool [num_blocks * block_size, KVH, D]:
+    a slice when there is one sequence and its blocks are consecutive, else the slots
+    [G, L] (L = the longest sequence). Keys past a sequence's end point at its key 0: real,
+    finite values (the rest of a block may hold anything an earlier owner left, even NaN)
+    that the mask hides."""
+    lens = seq_lens.tolist()                                          # host ints (CPU path)
+    L = max(lens)
+    used = block_tables[:, :-(-L // block_size)].long()               # [G, blocks]
+    if len(lens) == 1 and (used.numel() == 1 or bool((used.diff(dim=1) == 1).all())):
+        start = int(used[0, 0]) * block_size
+        return slice(start, start + L), L, False
+    j = torch.arange(L, device=seq_lens.device)                       # [L]
+    slots = used[:, j // block_size] * block_size + j % block_size    # [G, L]
+    outside = j[None, :] >= seq_lens.long()[:, None]                  # [G, L]
+    return torch.where(outside, slots[:, :1], slots), L, min(lens) < L
 
 
 def _make_group(block_tables, seq_lens, q_index, positions, valid, block_size) -> Group:
-    keys = torch.arange(block_tables.shape[1] * block_size, device=seq_lens.device)   # [L]
-    # Slots past a sequence's end (table padding, the unwritten tail of its last block) hold
-    # whatever an earlier owner left, possibly inf or NaN; a mask alone would not stop a NaN
-    # value (0 * NaN = NaN), so `run` zeroes those keys and values in its gathered copy.
-    outside = (keys[None, :] >= seq_lens.long()[:, None])[:, None, :, None]      # [G, 1, L, 1]
-    visible = (keys[None, None, :] <= positions[:, :, None])[:, None]            # [G, 1, Tq, L]
-    return Group(block_tables, q_index, valid, outside, visible)
+    keys, L, ragged = _key_slots(block_tables, seq_lens, block_size)
+    if positions.shape[1] == 1 and not ragged:                        # every key is visible
+        return Group(keys, q_index, valid, None)
+    j = torch.arange(L, device=seq_lens.device)
+    visible = (j[None, None, :] <= positions[:, :, None])[:, None]    # [G, 1, Tq, L]
+    return Group(keys, q_index, valid, visible)
 
 
 def plan_decode(block_tables, seq_lens, block_size: int) -> Plan:
-    """One query per sequence, at position seq_len - 1."""
+    """One query per sequence, at position seq_len - 1; q rows 0..B-1 in order."""
     B = seq_lens.shape[0]
-    q_index = torch.arange(B, device=seq_lens.device)[:, None]                   # [B, 1]
     positions = (seq_lens.long() - 1)[:, None]                                   # [B, 1]
-    return Plan([_make_group(block_tables, seq_lens, q_index, positions, None, block_size)]
+    return Plan([_make_group(block_tables, seq_lens, None, positions, None, block_size)]
                 if B else [])
 
 
@@ -91,29 +117,55 @@ def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> Plan:
     return Plan(groups)
 
 
-def gather_blocks(cache, block_tables):
-    """Every sequence's blocks laid end to end: [B, max_blocks * block_size, KVH, D]."""
-    blocks = cache[block_tables.long()]                  # [B, max_blocks, block_size, KVH, D]
-    return blocks.flatten(1, 2)                          # [B, L, KVH, D]
+def plan_store(plan: Plan, slot_mapping) -> Plan:
+    """Add store_kv's slots to a plan (slot -1 skips a token: its row is dropped once, here)."""
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        plan.slots, plan.keep = slot_mapping.long(), None
+    else:
+        plan.slots, plan.keep = slot_mapping[keep].long(), keep
+    return plan
+
+
+def store_kv(plan: Plan, k, v, k_cache, v_cache) -> None:
+    """k, v [T, KVH, D] into their slots (plan_store): one index_copy_ per pool."""
+    if plan.keep is not None:
+        k, v = k[plan.keep], v[plan.keep]
+    flat = (-1,) + tuple(k_cache.shape[2:])
+    k_cache.view(flat).index_copy_(0, plan.slots, k.to(k_cache.dtype))
+    v_cache.view(flat).index_copy_(0, plan.slots, v.to(v_cache.dtype))
+
+
+def _keys(cache, keys):
+    """The group's keys (or values) [G, KVH, L, D]: a view of one run of blocks, or a gather."""
+    flat = cache.view((-1,) + tuple(cache.shape[2:]))    # [num_blocks * block_size, KVH, D]
+    if isinstance(keys, slice):
+        return flat[keys][None].transpose(1, 2)          # [1, KVH, L, D], no copy
+    G, L = keys.shape
+    return flat.index_select(0, keys.flatten()).view(G, L, *flat.shape[1:]).transpose(1, 2)
 
 
 def run(plan: Plan, q, k_cache, v_cache, scale):
     """q [T, H, D] (the rows the plan was made for) -> out [T, H, D]."""
-    out = torch.empty_like(q)
+    out = None
     for g in plan.groups:
-        k = gather_blocks(k_cache, g.block_tables).transpose(1, 2)    # [G, KVH, L, D]
-        v = gather_blocks(v_cache, g.block_tables).transpose(1, 2)
-        k.masked_fill_(g.outside, 0)
-        v.masked_fill_(g.outside, 0)
+        # in float32, like the reference: torch's CPU attention in bf16 ran 5x slower than in
+        # fp32 at 16-64 sequences, and the upcast copies are small next to the weights
+        k = _keys(k_cache, g.keys).float()                             # [G, KVH, L, D]
+        v = _keys(v_cache, g.keys).float()
+        qg = q[:, None] if g.q_index is None else q[g.q_index]         # [G, Tq, H, D]
         o = F.scaled_dot_product_attention(
-            q[g.q_index].transpose(1, 2), k, v, attn_mask=g.visible, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1])                      # [G, H, Tq, D]
-        o = o.transpose(1, 2)                                          # [G, Tq, H, D]
+            qg.transpose(1, 2).float(), k, v, attn_mask=g.visible, scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2).to(q.dtype)   # [G, Tq, H, D]
+        if g.q_index is None:                                          # decodes, rows in order
+            return o.reshape(q.shape)
+        if out is None:
+            out = torch.empty_like(q)
         if g.valid is None:
             out[g.q_index.flatten()] = o.flatten(0, 1)
         else:
             out[g.q_index[g.valid]] = o[g.valid]
-    return out
+    return torch.empty_like(q) if out is None else out
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):

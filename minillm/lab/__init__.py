@@ -14,6 +14,10 @@ the course watches one work.
     serving_replay.py    replay_serving: the real engine on a virtual clock -> ServingReplayResult,
                          ch. 08
     capacity.py          Little's law, cost per token, step memory, ch. 08 (and the drill)
+    profiling.py         decode_engine / profile_steps / op_table: GEMM vs other time per step,
+                         ch. 12
+    overlap.py           run_serial / run_overlapped / compare: host work of step N+1 during
+                         step N's compute, with a thread, ch. 12
 
 Layer rule (tests/test_layers.py): the lab imports the engine (model, cache, kernels, engine,
 spec, serve, ...), never the reverse, and never grading or drill; grading and drill may import

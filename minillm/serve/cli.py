@@ -9,9 +9,9 @@ The port is bound before the model loads, so a port in use fails at once with a 
 --max-num-batched-tokens bounds the tokens of one step, and a step's time is what every other
 stream waits between two tokens. On a GPU 2048 tokens take milliseconds; on this course's CPU
 a running stream waited 21.8 s while an 8k prompt prefilled in 2048-token chunks, so the CPU
-default is CPU_MAX_NUM_BATCHED_TOKENS (see its measurement). A smaller budget cannot take the
-stall much lower: a step at an 8k context also reads the whole context's KV (kernels/batched.py
-gathers every block of every sequence), about 0.8 s on that CPU whatever the chunk.
+default is CPU_MAX_NUM_BATCHED_TOKENS (see its measurement). Since chapter 12's attention work
+(kernels/batched.py reads one sequence's consecutive blocks as a view, without masks) a step's
+cost at a long context is mostly the chunk itself, so the stall falls with the budget.
 """
 from __future__ import annotations
 
@@ -22,10 +22,14 @@ from ..loader import BUNDLED
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 # Measured 2026-11-24 (2 CPU cores shared with other work, load ~1.1; smollm2-135m, fp32,
 # OMP_NUM_THREADS=1, --num-kv-blocks 640): the longest gap of a running stream while an
-# 8000-token prompt prefills was 1.47 s at 64 (prefill 95 s) and 21.8 s at 2048 (prefill 64 s);
-# 32 (with --max-num-seqs 32) gave 0.96 s but a 136 s prefill: the per-step KV gather is the floor.
+# 8000-token prompt prefills was 1.47 s at 64 (prefill 95 s) and 21.8 s at 2048 (prefill 64 s).
+# Re-measured after chapter 12's attention changes (quiet, 2 threads, in-process:
+# `python benchmarks/bench_stall.py --budgets 32 64 128 256`, benchmarks/results/
+# stall_cpu_20261124_{before,after}.json): longest step at budget 32 / 64 / 128 / 256 near the
+# end of the 8k prompt 0.49 / 0.70 / 1.27 / 2.17 s before, 0.32 / 0.48 / 0.89 / 1.62 s after.
+# 64 is the largest budget under ~0.5 s.
 CPU_MAX_NUM_BATCHED_TOKENS = 64
-GAP_AT_CPU_DEFAULT = "1.5 s"
+GAP_AT_CPU_DEFAULT = "0.48 s"
 GAP_AT_GPU_DEFAULT_ON_CPU = "21.8 s"
 
 

@@ -1,0 +1,75 @@
+"""Benchmark: where one engine step's time goes (chapter 12), with torch.profiler.
+
+For each batch size, `batch` requests with `--context`-token prompts are prefilled, then decode
+steps are timed (no profiler) and profiled: GEMM self time (`minillm.lab.profiling.GEMM_OPS`)
+against everything else, aten ops per step, and the heaviest ops.
+
+    python benchmarks/bench_step_profile.py --batch 1 16 64 --out benchmarks/results/x.json
+
+Run it under /work/bin/quiet-run (or on any quiet machine) with 2 threads: the numbers are this
+machine's, measured side by side in one process.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import minillm  # noqa: E402
+from minillm.lab.profiling import decode_engine, op_table, profile_steps  # noqa: E402
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        return next(l.split(":", 1)[1].strip() for l in out.splitlines()  # noqa: E741
+                    if l.startswith("Model name"))
+    except (OSError, StopIteration):
+        return "unknown CPU"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--label", default="")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model, _ = minillm.load_model(args.model, device="cpu", dtype=getattr(torch, args.dtype))
+    rows = []
+    for b in args.batch:
+        engine = decode_engine(model, b, args.context, max_new_tokens=4 * args.steps + 8)
+        with torch.inference_mode():
+            prof = profile_steps(engine, args.steps)
+        print(f"--- batch {b}, context {args.context}, {args.dtype}\n{op_table(prof)}\n")
+        rows.append({"batch": b, "step_ms": round(prof.step_ms, 2),
+                     "gemm_ms": round(prof.gemm_ms, 2), "other_ms": round(prof.other_ms, 2),
+                     "ops_per_step": round(prof.ops_per_step),
+                     "top_ops": [[n, round(c, 1), round(ms, 3)] for n, c, ms in prof.rows[:10]]})
+    record = {"benchmark": "step_profile", "label": args.label, "model": args.model,
+              "dtype": args.dtype, "context": args.context, "threads": args.threads,
+              "device": cpu_model(), "date": datetime.datetime.now(datetime.timezone.utc)
+              .strftime("%Y-%m-%dT%H:%MZ"), "torch": torch.__version__,
+              "load_before": os.getloadavg()[0],
+              "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+              "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Where a step's time goes (chapter 12): profile engine steps and split them into GEMM time
+and everything else.
+
+    engine = decode_engine(model, batch=1, context=64)   # `batch` requests, prompts prefilled
+    prof = profile_steps(engine, steps=10)                # torch.profiler over 10 decode steps
+    prof.step_ms, prof.gemm_ms, prof.other_ms, prof.ops_per_step
+    op_table(prof)                                        # the heaviest ops, per step
+
+`step_ms` is the wall time of a step measured WITHOUT the profiler (it adds a few microseconds
+to every op); `gemm_ms` is the profiler's self time of the matrix products (`GEMM_OPS`), and
+`other_ms = step_ms - gemm_ms`: norms, rope, attention, indexing, Python, the scheduler.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+
+from ..engine.llm_engine import LLMEngine
+from ..sampling import SamplingParams
+
+# matrix products as the CPU profiler names them (fp32/bf16 GEMMs and the int4 kernel)
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
+            "aten::_weight_int8pack_mm")
+
+
+@dataclass
+class StepProfile:
+    step_ms: float                  # wall time of one step, no profiler
+    gemm_ms: float                  # profiler self time of GEMM_OPS per step
+    ops_per_step: float             # aten ops called per step (all of them)
+    steps: int
+    rows: list = field(default_factory=list)   # [(op name, calls per step, self ms per step)]
+
+    @property
+    def other_ms(self) -> float:
+        return self.step_ms - self.gemm_ms
+
+
+def decode_engine(model, batch: int, context: int, max_new_tokens: int = 512,
+                  **engine_args) -> LLMEngine:
+    """An engine holding `batch` requests whose `context`-token prompts are already prefilled,
+    so every further step is a decode step of `batch` rows."""
+    engine = LLMEngine(model, None, max_num_seqs=max(batch, 1),
+                       max_num_batched_tokens=max(2048, batch * context), **engine_args)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    vocab = model.config.vocab_size
+    for i in range(batch):
+        prompt = [(7 * i + 13 * t) % vocab for t in range(context)]
+        engine.add_request(f"r{i}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens
+              for reqs in engine.groups.values() for r in reqs):
+        engine.step()
+    return engine
+
+
+def time_steps(engine: LLMEngine, steps: int) -> float:
+    """Median wall time of `steps` engine steps, ms."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def profile_steps(engine: LLMEngine, steps: int = 10, warmup: int = 3) -> StepProfile:
+    """Time `steps` steps, then profile `steps` more and sum the ops' self times."""
+    from torch.profiler import ProfilerActivity, profile
+
+    time_steps(engine, warmup)
+    step_ms = time_steps(engine, steps)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    rows, gemm_us, calls = [], 0.0, 0
+    for e in prof.key_averages():
+        if not e.key.startswith("aten::"):
+            continue
+        calls += e.count
+        rows.append((e.key, e.count / steps, e.self_cpu_time_total / 1e3 / steps))
+        if e.key in GEMM_OPS:
+            gemm_us += e.self_cpu_time_total
+    rows.sort(key=lambda r: -r[2])
+    return StepProfile(step_ms, gemm_us / 1e3 / steps, calls / steps, steps, rows)
+
+
+def op_table(p: StepProfile, top: int = 12) -> str:
+    """The heaviest ops of a profile, per step, as a text table."""
+    lines = [f"{'op':36s} {'calls/step':>10s} {'self ms/step':>12s}"]
+    lines += [f"{name:36s} {calls:10.0f} {ms:12.2f}" for name, calls, ms in p.rows[:top]]
+    lines.append(f"step {p.step_ms:.1f} ms = GEMM {p.gemm_ms:.1f} ms + other {p.other_ms:.1f} ms;"
+                 f" {p.ops_per_step:.0f} aten ops per step")
+    return "\n".join(lines)

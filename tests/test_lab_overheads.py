@@ -1,0 +1,41 @@
+"""lab/profiling.py and lab/overlap.py (chapter 12): structure only, no timing asserted."""
+import torch
+
+from minillm.configs import ModelConfig
+from minillm.lab import overlap
+from minillm.lab.profiling import GEMM_OPS, decode_engine, op_table, profile_steps
+from minillm.loader import random_model
+
+CFG = ModelConfig(name="tiny", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=256)
+
+
+def test_decode_engine_leaves_every_request_decoding():
+    engine = decode_engine(random_model(CFG, device="cpu"), batch=3, context=20,
+                           max_new_tokens=50)
+    reqs = [r for rs in engine.groups.values() for r in rs]
+    assert len(reqs) == 3 and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs)
+
+
+def test_profile_counts_four_products_per_layer_and_the_lm_head():
+    engine = decode_engine(random_model(CFG, device="cpu"), batch=2, context=20,
+                           max_new_tokens=50)
+    prof = profile_steps(engine, steps=3, warmup=1)
+    calls = {name: c for name, c, _ in prof.rows}
+    assert sum(calls.get(op, 0) for op in GEMM_OPS) == 4 * CFG.num_layers + 1
+    assert prof.ops_per_step > 4 * CFG.num_layers and prof.gemm_ms > 0
+    assert "aten ops per step" in op_table(prof)
+
+
+def test_overlap_runs_the_same_work_in_both_schedules():
+    seen = []
+
+    def prepare(i):
+        seen.append(i)
+        return torch.full((4,), float(i))
+
+    serial, overlapped, same = overlap.compare(prepare, lambda x: x * 2, steps=5, rounds=2)
+    assert same and serial > 0 and overlapped > 0
+    assert sorted(seen) == sorted(list(range(5)) * 4)     # every step prepared once per run
+    _, outs = overlap.run_overlapped(prepare, lambda x: x * 2, 4)
+    assert [int(o[0]) for o in outs] == [0, 2, 4, 6]      # in step order
