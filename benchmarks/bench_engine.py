@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minillm  # noqa: E402
 from minillm import SamplingParams, configs  # noqa: E402
-from minillm.loader import random_model, to_hf_config  # noqa: E402
+from minillm.loader import random_model, to_hf_config, to_hf_state_dict  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear")
@@ -113,9 +113,7 @@ def load_pair(name, weights, device, dtype):
         cfg = configs.get(name)
         mini = random_model(cfg, device, dtype, seed=0)
         hf = AutoModelForCausalLM.from_config(to_hf_config(cfg), dtype=dtype)
-        state = {("" if k.startswith("lm_head") else "model.") + k: v
-                 for k, v in mini.state_dict().items()}
-        missing, unexpected = hf.load_state_dict(state, strict=False)
+        missing, unexpected = hf.load_state_dict(to_hf_state_dict(mini), strict=False)
         if [k for k in missing if "rotary" not in k] or unexpected:
             raise RuntimeError(f"weights do not map onto transformers: {missing} {unexpected}")
     hf = hf.to(device).eval()

@@ -22,7 +22,7 @@ import torch
 
 from . import configs
 from .configs import ModelConfig
-from .model import Transformer, rope_inv_freq
+from .model import MergedColumnParallelLinear, Transformer
 
 BUNDLED = "smollm2-135m"
 _ALIASES = {"smollm2": BUNDLED, "smollm2-135m-instruct": BUNDLED}
@@ -162,29 +162,68 @@ def _empty_model(cfg: ModelConfig, device, dtype) -> Transformer:
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:                              # to_empty may untie: tie again
         model.lm_head.weight = model.embed_tokens.weight
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.init_rope()                                        # to_empty left them unset
     return model
 
 
+def checkpoint_names(model: Transformer) -> dict:
+    """Checkpoint key -> (model key, shard id or None). The fused projections take several
+    checkpoint tensors each: `layers.0.self_attn.q_proj.weight` -> (`...qkv_proj.weight`, "q"),
+    `layers.0.mlp.up_proj.weight` -> (`...gate_up_proj.weight`, 1)."""
+    names = {}
+    for key in model.state_dict():
+        module_name, _, leaf = key.rpartition(".")
+        fused = module_name.rpartition(".")[2]
+        parts = model.packed_modules_mapping.get(fused)
+        if parts is None or not isinstance(model.get_submodule(module_name),
+                                           MergedColumnParallelLinear):
+            names[key] = (key, None)
+            continue
+        shard_ids = model.get_submodule(module_name).shard_ids
+        prefix = module_name.rpartition(".")[0]
+        for part, shard_id in zip(parts, shard_ids):
+            names[f"{prefix}.{part}.{leaf}"] = (key, shard_id)
+    return names
+
+
 def load_state_dict(model: Transformer, state: dict) -> Transformer:
-    """Copy a Hugging Face style state dict (keys with or without `model.`) into `model`."""
+    """Copy a Hugging Face style state dict (keys with or without `model.`) into `model`; the
+    separate q/k/v and gate/up tensors go into the fused projections (`checkpoint_names`)."""
     own = model.state_dict()
+    names = checkpoint_names(model)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-        own.pop("lm_head.weight", None)
-    missing, unexpected = own.keys() - state.keys(), state.keys() - own.keys()
+        names.pop("lm_head.weight", None)
+    missing, unexpected = names.keys() - state.keys(), state.keys() - names.keys()
     unexpected = {k for k in unexpected if "rotary_emb" not in k}
     if missing or unexpected:
         raise ValueError(f"checkpoint does not match {model.config.name}: missing "
                          f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     with torch.no_grad():
-        for k, t in own.items():
-            if t.shape != state[k].shape:
-                raise ValueError(f"{k}: checkpoint shape {tuple(state[k].shape)} != model "
+        for name, (key, shard_id) in names.items():
+            t, w = own[key], state[name]
+            if shard_id is not None:
+                model.get_submodule(key.rpartition(".")[0]).weight_loader(t, w, shard_id)
+            elif t.shape != w.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model "
                                  f"shape {tuple(t.shape)}")
-            t.copy_(state[k])
+            else:
+                t.copy_(w)
     return model
+
+
+def to_hf_state_dict(model: Transformer) -> dict:
+    """The model's weights under transformers' names (`model.` prefix, q/k/v and gate/up
+    split again): `load_state_dict`'s inverse, for loading the same weights into transformers."""
+    own = model.state_dict()
+    out = {}
+    for name, (key, shard_id) in checkpoint_names(model).items():
+        t = own[key]
+        if shard_id is not None:
+            t = t[model.get_submodule(key.rpartition(".")[0]).shard_rows(shard_id)]
+        out[("" if name.startswith("lm_head") else "model.") + name] = t
+    return out
 
 
 def random_model(cfg: ModelConfig, device=None, dtype=None, seed: int = 0,
@@ -196,14 +235,23 @@ def random_model(cfg: ModelConfig, device=None, dtype=None, seed: int = 0,
     if device.type == "meta":                                # shapes only, nothing to fill
         return model.eval()
     g = torch.Generator(device=device).manual_seed(seed)
+    own = dict(model.named_parameters())                     # tied weights appear once
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        # in checkpoint order, part by part: a fused projection gets the numbers its
+        # unfused q/k/v (gate/up) parts would have had
+        for name, (key, shard_id) in checkpoint_names(model).items():
+            if key not in own:
+                continue
+            p = own[key]
+            dst = p.data if shard_id is None else p.data[
+                model.get_submodule(key.rpartition(".")[0]).shard_rows(shard_id)]
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                dst.fill_(1.0)
             elif name.endswith("bias"):
-                p.zero_()
+                dst.zero_()
             else:
-                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32) * std)
+                dst.copy_(torch.randn(dst.shape, generator=g, device=device,
+                                      dtype=torch.float32) * std)
     return model.eval()
 
 

@@ -64,14 +64,32 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
+def rope_tables(cfg: ModelConfig, device=None):
+    """The rotary tables, computed once per model: cos, sin [max_position_embeddings, D].
+
+    Row p holds the angles of position p, each frequency twice (pair (i, i + D/2) turns by one
+    angle). The sin table's first half is negated, which turns "rotate half" into a roll:
+    rotate_half(x) * sin == x.roll(D/2) * sin_signed. A step then looks up its rows instead of
+    computing cos and sin again (vLLM keeps the same `cos_sin_cache`).
+    """
+    inv_freq = rope_inv_freq(cfg).to(device)                          # [D/2]
+    positions = torch.arange(cfg.max_position_embeddings, device=device).float()
+    freqs = positions[:, None] * inv_freq[None, :]                    # [P, D/2]
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)   # [P, D] each
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rope(x, cos, sin):
-    """x [B, T, heads, D]; cos/sin [B, T, 1, D]: rotate each pair (i, i + D/2) by its angle."""
-    return (x.float() * cos + rotate_half(x.float()) * sin).to(x.dtype)
+    """x [B, T, heads, D]; cos/sin [B, T, 1, D] rows of `rope_tables` (sin signed): rotate each
+    pair (i, i + D/2) by its angle. Equals x * cos + rotate_half(x) * sin with the plain sin,
+    bit for bit, in four ops instead of seven."""
+    xf = x.float()
+    return (xf * cos + xf.roll(x.shape[-1] // 2, dims=-1) * sin).to(x.dtype)
 
 
 def causal_attention(q, k, v, q_start: int = 0):
@@ -119,40 +137,85 @@ class Linear(nn.Linear):
         return out.t().contiguous().view(*x.shape[:-1], self.out_features)
 
 
+class MergedColumnParallelLinear(Linear):
+    """Several projections of the same input stacked into ONE weight [sum(output_sizes), K]:
+    gate_proj and up_proj of the MLP become `gate_up_proj`, one GEMM instead of two (vLLM's
+    name and shapes: its tensor-parallel version splits each part column-wise across GPUs).
+
+    A checkpoint still stores the parts separately; `weight_loader(param, w, shard_id)` copies
+    part `shard_id` (0, 1, ...) into its rows. The output is the parts side by side:
+    `out.split(self.output_sizes, dim=-1)`.
+    """
+
+    def __init__(self, input_size: int, output_sizes, bias: bool = False):
+        super().__init__(input_size, sum(output_sizes), bias=bias)
+        self.output_sizes = list(output_sizes)
+        self.shard_ids = list(range(len(output_sizes)))
+
+    def shard_rows(self, shard_id) -> slice:
+        """The rows of the stacked weight that hold part `shard_id`."""
+        i = self.shard_ids.index(shard_id)
+        start = sum(self.output_sizes[:i])
+        return slice(start, start + self.output_sizes[i])
+
+    def weight_loader(self, param, loaded_weight, loaded_shard_id) -> None:
+        """Copy one checkpoint part (its weight or bias) into the stacked parameter."""
+        if loaded_shard_id not in self.shard_ids:
+            raise ValueError(f"shard id {loaded_shard_id!r} is not one of {self.shard_ids}")
+        dst = param.data[self.shard_rows(loaded_shard_id)]
+        if dst.shape != loaded_weight.shape:
+            raise ValueError(f"part {loaded_shard_id!r}: checkpoint shape "
+                             f"{tuple(loaded_weight.shape)} != model shape {tuple(dst.shape)}")
+        dst.copy_(loaded_weight)
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q_proj, k_proj and v_proj as one weight [(H + 2 * KVH) * D, C], shards "q", "k", "v"
+    (vLLM's QKVParallelLinear; with GQA the k and v parts are smaller than q's)."""
+
+    def __init__(self, hidden_size: int, head_size: int, total_num_heads: int,
+                 total_num_kv_heads: int, bias: bool = False):
+        super().__init__(hidden_size, [total_num_heads * head_size,
+                                       total_num_kv_heads * head_size,
+                                       total_num_kv_heads * head_size], bias=bias)
+        self.shard_ids = ["q", "k", "v"]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_heads, cfg.num_kv_heads,
                                                             cfg.head_dim)
-        bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache=None):              # x [B, T, C]
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)      # [B, T, H, D]
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)   # [B, T, KVH, D]
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)   # [B, T, KVH, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)                               # [B, T, (H + 2 KVH) D]: one GEMM
+        # q and k rotate together (one rope call), v is a view of the same output
+        qk = apply_rope(qkv[..., :(H + KVH) * D].view(B, T, H + KVH, D), cos, sin)
+        q, k = qk.split([H, KVH], dim=2)                     # [B, T, H, D], [B, T, KVH, D]
+        v = qkv[..., (H + KVH) * D:].view(B, T, KVH, D)      # [B, T, KVH, D]
         if cache is None:
             out = causal_attention(q, k, v)
         else:
             out = cache.attend(self.layer_idx, q, k, v)                   # the seam
-        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(B, T, H * D))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
+                                                       [cfg.intermediate_size] * 2, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):                                    # SwiGLU
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)     # [..., I] each, from one GEMM
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -169,8 +232,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder. Parameter names follow transformers' Llama (minus the `model.` prefix), so a
-    checkpoint's state dict loads without renaming."""
+    """The decoder. Parameter names follow transformers' Llama (minus the `model.` prefix),
+    except the fused projections: `packed_modules_mapping` says which checkpoint modules each
+    one stacks (vLLM's attribute), and `minillm.loader` maps the names."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                              "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -184,7 +251,14 @@ class Transformer(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.init_rope()
+
+    def init_rope(self) -> None:
+        """(Re)compute the rotary tables on the model's device (the loader calls it after
+        materialising a model built on the meta device)."""
+        cos, sin = rope_tables(cfg=self.config, device=self.embed_tokens.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)              # [P, D]
+        self.register_buffer("rope_sin", sin, persistent=False)              # [P, D] signed
 
     @property
     def device(self) -> torch.device:
@@ -194,10 +268,10 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def rope(self, positions):                         # positions [B, T] -> cos, sin [B, T, 1, D]
-        freqs = positions[..., None].float() * self.inv_freq.float()      # [B, T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
-        return emb.cos(), emb.sin()
+    def rope(self, positions):                # positions [B, T] -> cos, sin [B, T, 1, D]
+        """This call's rows of the rotary tables (sin signed, see `rope_tables`)."""
+        return (self.rope_cos[positions][:, :, None].float(),
+                self.rope_sin[positions][:, :, None].float())
 
     def forward(self, input_ids, positions: Optional[torch.Tensor] = None, cache=None,
                 last_only: bool = False, logits_rows: Optional[torch.Tensor] = None):

@@ -6,7 +6,9 @@ import transformers
 import minillm
 from minillm import configs, kvmath
 from minillm.configs import ModelConfig
-from minillm.loader import bundled_checkpoint, load_state_dict, random_model, to_hf_config
+from minillm.loader import (bundled_checkpoint, load_state_dict, random_model, to_hf_config,
+                            to_hf_state_dict)
+from minillm.model import apply_rope, rope_inv_freq, rotate_half
 
 TOL = 1e-3
 
@@ -212,3 +214,45 @@ def test_small_random_preset_runs():
     out = minillm.generate(model, tok, "hello", max_new_tokens=3,
                            sampling=minillm.SamplingParams(temperature=0.0, ignore_eos=True))
     assert len(out) == 3
+
+
+def test_fused_projections_load_each_checkpoint_part_into_its_rows():
+    cfg = TINY[3]                                      # GQA 4:1 with q/k/v bias
+    hf = _hf_model(cfg, seed=6)
+    model = load_state_dict(random_model(cfg, device="cpu", dtype=torch.float32), hf.state_dict())
+    attn, hf_attn = model.layers[1].self_attn, hf.model.layers[1].self_attn
+    x = torch.randn(3, cfg.hidden_size)
+    q, k, v = attn.qkv_proj(x).split(attn.qkv_proj.output_sizes, dim=-1)
+    for ours, ref in ((q, hf_attn.q_proj(x)), (k, hf_attn.k_proj(x)), (v, hf_attn.v_proj(x))):
+        assert torch.allclose(ours, ref, atol=1e-5)
+    gate, up = model.layers[1].mlp.gate_up_proj(x).chunk(2, dim=-1)
+    assert torch.allclose(gate, hf.model.layers[1].mlp.gate_proj(x), atol=1e-5)
+    assert torch.allclose(up, hf.model.layers[1].mlp.up_proj(x), atol=1e-5)
+    # and back: the split-out weights are transformers' own, name for name
+    back = to_hf_state_dict(model)
+    ref = {k: v for k, v in hf.state_dict().items() if "rotary" not in k}
+    assert back.keys() == ref.keys()
+    assert all(torch.equal(back[k], ref[k]) for k in ref)
+
+
+def test_fused_projection_refuses_a_part_of_the_wrong_shape():
+    cfg = TINY[1]
+    state = to_hf_state_dict(random_model(cfg, device="cpu", dtype=torch.float32))
+    state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, cfg.hidden_size)
+    with pytest.raises(ValueError, match="part 'k'"):
+        load_state_dict(random_model(cfg, device="cpu", dtype=torch.float32), state)
+    del state["model.layers.0.self_attn.k_proj.weight"]
+    with pytest.raises(ValueError, match="missing.*k_proj"):
+        load_state_dict(random_model(cfg, device="cpu", dtype=torch.float32), state)
+
+
+def test_rope_tables_equal_the_angles_computed_per_call():
+    cfg = TINY[1]                                      # llama3 frequency scaling too
+    model = random_model(cfg, device="cpu", dtype=torch.float32)
+    positions = torch.tensor([[0, 5, 63, 64, 511]])
+    cos, sin = model.rope(positions)                   # [1, 5, 1, D]
+    freqs = positions[..., None].float() * rope_inv_freq(cfg)         # [1, 5, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]
+    assert torch.equal(cos, emb.cos())
+    x = torch.randn(1, 5, 2, cfg.head_dim)
+    assert torch.equal(apply_rope(x, cos, sin), x * emb.cos() + rotate_half(x) * emb.sin())
