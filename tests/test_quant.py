@@ -97,7 +97,7 @@ def test_quantize_model_replaces_every_decoder_linear_and_shrinks_the_weights():
     model = tiny_model()
     before = weight_bytes(model)
     n_linear = len(decoder_linears(model))
-    assert n_linear == 2 * 7
+    assert n_linear == 2 * 4                                            # qkv, o, gate_up, down
     quantize_model(model, "int8")
     assert not decoder_linears(model)                                  # no nn.Linear left inside
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == n_linear
@@ -167,4 +167,4 @@ def test_bad_input_names_the_fix():
     odd.layers[0].mlp.down_proj = nn.Linear(96, 128, bias=False)      # 96 = 3 x 32, not 64
     with pytest.raises(ValueError, match="does not divide the layer's 96 input features"):
         quantize_model(odd, "int4", group_size=64)
-    assert isinstance(odd.layers[0].self_attn.q_proj, nn.Linear)      # nothing half-changed
+    assert type(odd.layers[0].self_attn.o_proj).__name__ == "Linear"   # nothing half-changed
