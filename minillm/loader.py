@@ -347,13 +347,24 @@ def _convert_bundled(dest: Path) -> None:
 
 
 def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: str = "pretrained",
-               device=None, dtype=None, seed: int = 0):
+               device=None, dtype=None, seed: int = 0, quantization: Optional[str] = None):
     """Return `(model, tokenizer)`.
 
     name: "smollm2-135m" (bundled, offline), a local checkpoint directory, a preset name from
     `minillm.configs.names()` or a ModelConfig (with `weights="random"`). dtype: None or "auto"
     (the device policy: fp32 on a CPU), a name such as "bfloat16", or a torch dtype.
+    quantization: None, or "int8" / "int4" weight-only round-to-nearest (chapter 09,
+    `minillm.quant`; vLLM's argument name).
     """
+    if quantization is None:
+        return _load_model(name, weights, device, dtype, seed)
+    from .quant import check_quantization, quantize_model    # chapter 09, only when asked
+    check_quantization(quantization)
+    model, tok = _load_model(name, weights, device, dtype, seed)
+    return quantize_model(model, quantization), tok
+
+
+def _load_model(name, weights: str, device, dtype, seed: int):
     if weights not in ("pretrained", "random"):
         raise ValueError(f"weights must be 'pretrained' or 'random', got {weights!r}")
     device = resolve_device(device)

@@ -75,21 +75,29 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
-                 device=None, dtype=None, clock=None, speculative_config=None):
+                 device=None, dtype=None, clock=None, speculative_config=None,
+                 quantization: Optional[str] = None):
         if speculative_config is not None:   # fail before loading anything
             from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
+        if quantization is not None:         # chapter 09; checked before loading anything
+            from ..quant import check_quantization
+            check_quantization(quantization)
         if isinstance(model, tuple):
             model, tokenizer = model
         elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
-            model, tok = load_model(model, device=device, dtype=dtype)
+            model, tok = load_model(model, device=device, dtype=dtype, quantization=quantization)
             tokenizer = tokenizer if tokenizer is not None else tok
+            quantization = None              # done by load_model
         if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
             raise ValueError("model must be a name for minillm.load_model, a (model, tokenizer) "
                              f"pair or a minillm Transformer, got {type(model).__name__}")
         if device is not None or dtype is not None:
             device = model.device if device is None else resolve_device(device)
             model = model.to(device=device, dtype=resolve_dtype(dtype or model.dtype, device))
+        if quantization is not None:         # a model object given: quantize it in place
+            from ..quant import quantize_model
+            quantize_model(model, quantization)
         self.model, self.tokenizer = model, tokenizer
         self.engine = LLMEngine(model, tokenizer, block_size=block_size,
                                 num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks,

@@ -1,0 +1,174 @@
+"""Weight-only quantization in the engine: speed and quality (chapter 09).
+
+    python benchmarks/bench_quant.py speed   --threads 2    # decode step time, batch 1/4/16
+    python benchmarks/bench_quant.py quality --threads 2    # ppl, KL, agreement per format
+
+speed: the engine (minillm.LLM, greedy, ignore_eos) decodes `--max-tokens` tokens for B prompts
+of 16 tokens at B = 1, 4, 16, with the bundled SmolLM2-135M in fp32, bf16, int8 and int4 (RTN,
+group 64; GPTQ has the same format and speed), formats interleaved per batch size. The decode
+step time is the median over decode-only steps (no prefill token in the step). Beside it: the
+bytes of weights one step reads (minillm.quant.weight_bytes) and the step time chapter 00's
+roofline predicts from them at this machine's measured bandwidth; a 256-token prefill timed per
+format (weight-only quantization saves bytes, and prefill is not limited by bytes); and
+transformers' static `generate` (fp32, one left-padded batch) against the engine with int8 on
+the same 16 requests.
+
+quality: minillm.lab.quant_quality's table against the fp32 model on the package's README text:
+bf16, int8, int4 RTN and int4 GPTQ (calibrated on other course text) at groups 32 and 64.
+
+Each writes JSON to benchmarks/results/ (device, date, command, load average, versions).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import minillm  # noqa: E402
+from minillm import SamplingParams  # noqa: E402
+from minillm.quant import quantize_model, weight_bytes  # noqa: E402
+from minillm.roofline import best_time, measure_bandwidth  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+FORMATS = ("fp32", "bf16", "int8", "int4")
+
+
+def build(fmt: str, group_size: int = 64):
+    model, tok = minillm.load_model("smollm2-135m")
+    if fmt == "bf16":
+        model = model.to(torch.bfloat16)
+    elif fmt in ("int8", "int4"):
+        quantize_model(model, fmt, group_size=group_size)
+    return model.eval(), tok
+
+
+def prompts_for(tok, batch: int, length: int = 16) -> list:
+    ids = tok.encode((Path(minillm.__file__).parent / "README.md").read_text())
+    return [ids[i * 40:i * 40 + length] for i in range(batch)]
+
+
+def decode_run(model, tok, batch: int, max_tokens: int) -> dict:
+    llm = minillm.LLM((model, tok), max_num_seqs=batch, enable_prefix_caching=False,
+                      num_kv_blocks=batch * 8 + 8, block_size=16)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts_for(tok, batch), params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    steps = [s.duration for s in llm.engine.step_stats
+             if s.num_prefill_tokens == 0 and s.num_seqs == batch]
+    step = statistics.median(steps)
+    return {"batch": batch, "decode_step_s": step, "decode_tokens_per_s": batch / step,
+            "num_decode_steps": len(steps), "wall_s": wall,
+            "tokens": sum(len(o.token_ids) for o in outs)}
+
+
+@torch.inference_mode()
+def hf_static(batch: int, max_tokens: int) -> dict:
+    """transformers' generate on one left-padded batch (fp32), the same prompts."""
+    from transformers import AutoModelForCausalLM
+
+    from minillm.loader import bundled_checkpoint
+    model, tok = minillm.load_model("smollm2-135m")
+    hf = AutoModelForCausalLM.from_pretrained(str(bundled_checkpoint()), dtype=torch.float32)
+    ids = torch.tensor(prompts_for(tok, batch))                          # equal lengths: no pad
+    kw = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+              pad_token_id=tok.eos_token_id)
+    hf.generate(input_ids=ids[:, :4], max_new_tokens=2, do_sample=False,
+                pad_token_id=tok.eos_token_id)                           # warm-up
+    t0 = time.perf_counter()
+    out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **kw)
+    wall = time.perf_counter() - t0
+    return {"batch": batch, "wall_s": wall, "tokens": int((out.shape[1] - ids.shape[1]) * batch),
+            "tokens_per_s": (out.shape[1] - ids.shape[1]) * batch / wall}
+
+
+def speed(args) -> dict:
+    bandwidth = measure_bandwidth("cpu")
+    models = {f: build(f) for f in FORMATS}
+    rows = {f: {"weight_bytes": weight_bytes(m), "decode": []} for f, (m, _) in models.items()}
+    for f, (m, tok) in models.items():
+        decode_run(m, tok, 1, 4)                                         # warm-up
+        x = torch.tensor([prompts_for(tok, 16)]).view(1, -1)            # [1, 256]
+        rows[f]["prefill_256_s"] = best_time(lambda: m(x, last_only=True), repeats=3)
+        rows[f]["roofline_step_s"] = rows[f]["weight_bytes"] / bandwidth
+    for batch in args.batches:
+        for f, (m, tok) in models.items():
+            rows[f]["decode"].append(decode_run(m, tok, batch, args.max_tokens))
+            print(f, rows[f]["decode"][-1], flush=True)
+    base = {d["batch"]: d["decode_tokens_per_s"] for d in rows["fp32"]["decode"]}
+    for f in rows:
+        for d in rows[f]["decode"]:
+            d["speedup_vs_fp32"] = d["decode_tokens_per_s"] / base[d["batch"]]
+    n = max(args.batches)
+    hf = hf_static(n, args.max_tokens)
+    engine = next(d for d in rows["int8"]["decode"] if d["batch"] == n)
+    return {"bandwidth_bytes_per_s": bandwidth, "formats": rows, "hf_static_fp32": hf,
+            "engine_int8_vs_hf_static": (engine["tokens"] / engine["wall_s"]) / hf["tokens_per_s"]}
+
+
+def quality(args) -> dict:
+    from minillm.lab import quant_quality as qq
+    from minillm.quant.gptq import gptq_quantize_model
+
+    ref, tok = build("fp32")
+    variants, seconds = {"bf16": build("bf16")[0]}, {}
+    variants["int8"] = build("int8")[0]
+    for g in args.groups:
+        variants[f"int4_rtn_g{g}"] = build("int4", g)[0]
+        t0 = time.perf_counter()
+        variants[f"int4_gptq_g{g}"] = gptq_quantize_model(build("fp32")[0],
+                                                          qq.calibration_ids(tok), g)
+        seconds[f"int4_gptq_g{g}"] = time.perf_counter() - t0
+    table = qq.quality_table(ref, variants, tok, max_new_tokens=args.max_tokens)
+    return {"table": {k: v.row() for k, v in table.items()}, "gptq_seconds": seconds,
+            "eval_text": [f"minillm/{f}" for f in qq.EVAL_FILES],
+            "calibration_text": [f"minillm/{f}" for f in qq.CALIBRATION_FILES],
+            "weight_bytes": {k: weight_bytes(m) for k, m in variants.items()}}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("part", choices=("speed", "quality"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--groups", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import transformers
+    now = datetime.datetime.now(datetime.timezone.utc)
+    record = {"benchmark": f"quantization {args.part}", "date": now.isoformat(timespec="seconds"),
+              "device": "cpu", "device_name": _cpu_name(), "threads": torch.get_num_threads(),
+              "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+              "load_before": os.getloadavg()[0],
+              "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                           "transformers": transformers.__version__}}
+    record.update(speed(args) if args.part == "speed" else quality(args))
+    record["load_after"] = os.getloadavg()[0]
+    out = Path(args.out) if args.out else RESULTS / f"quant_{args.part}_cpu_{now:%Y%m%d}.json"
+    out.write_text(json.dumps(record, indent=1))
+    print(f"wrote {out}")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Quantized linear layers and their matmuls (chapter 09).
+
+A decode step is memory-bound: every weight is read once per step for a handful of rows. Storing
+the weights in 8 or 4 bits reads 4 or 8 times fewer bytes than fp32, IF the matmul reads the
+packed weights directly. Dequantizing to fp32 first and calling F.linear would read the fp32
+copy anyway (and build it every step): no bandwidth saved. So each layer calls a kernel that
+takes the packed weights:
+
+    int8: torch.ops.aten._weight_int8pack_mm(x_bf16 [M, K], q int8 [N, K], scale [N])
+    int4: torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16 [M, K], packed, group_size,
+                                                     scales_and_zeros [K/g, N, 2])
+
+Both CPU kernels are fast with bfloat16 activations only (with fp32 activations they fall back
+to a slow path on this course's CPU), so the layer casts its input to bf16 and its output back:
+the rest of the model keeps its own dtype. The int4 kernel dequantizes as (q - 8) * scale + z,
+so our integer zero point becomes z = (8 - zero) * scale (the same numbers, another bookkeeping).
+
+Every kernel has a plain-PyTorch twin here (`int8_linear_ref`, `int4_linear_ref`): dequantize to
+fp32 and multiply. tests/test_quant.py checks kernel against twin. On a GPU (or when a kernel is
+missing) the twin runs: correct, but it saves no bandwidth (a Triton dequant-GEMM is left to do).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .rtn import (check_group_size, dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
+                  quantize_int8, unpack_int4)
+
+
+def int8_linear_ref(x, q, scale, bias=None):
+    """The twin: x [..., K] @ (q [N, K] * scale [N])^T in fp32 -> [..., N] (x's dtype)."""
+    return F.linear(x.float(), dequantize_int8(q, scale),
+                    None if bias is None else bias.float()).to(x.dtype)
+
+
+def int4_linear_ref(x, q, scale, zero, bias=None):
+    """The twin: x [..., K] @ dequantize_int4(q, scale, zero)^T in fp32 -> [..., N]."""
+    return F.linear(x.float(), dequantize_int4(q, scale, zero),
+                    None if bias is None else bias.float()).to(x.dtype)
+
+
+def _packed_kernels_here(device) -> bool:
+    return torch.device(device).type == "cpu"
+
+
+class QuantLinear(nn.Module):
+    """Shared by the two formats: bias, shapes, the kernel-or-twin choice."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                           requires_grad=False)
+        self.use_kernel = _packed_kernels_here(linear.weight.device)
+
+    def forward(self, x):                                    # x [..., K] -> [..., N]
+        flat = x.reshape(-1, self.in_features)               # [M, K]
+        if self.use_kernel and flat.device.type == "cpu":
+            out = self.kernel(flat.to(torch.bfloat16)).to(x.dtype)       # [M, N]
+            if self.bias is not None:
+                out = out + self.bias.to(x.dtype)
+        else:
+            out = self.reference(flat)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes the matmul reads for the weight (quantized values and their scales)."""
+        raise NotImplementedError
+
+
+class Int8Linear(QuantLinear):
+    """Weight-only int8, one scale per output channel."""
+
+    def __init__(self, linear: nn.Linear, qweight=None, scale=None):
+        super().__init__(linear)
+        if qweight is None:
+            qweight, scale = quantize_int8(linear.weight.detach())
+        dev = linear.weight.device
+        self.register_buffer("qweight", qweight.to(dev))                 # [N, K] int8
+        self.register_buffer("scale", scale.float().to(dev))            # [N]
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16).to(dev))
+
+    def kernel(self, x):                                     # x [M, K] bf16 -> [M, N] bf16
+        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale_bf16)
+
+    def reference(self, x):
+        return int8_linear_ref(x, self.qweight, self.scale, self.bias)
+
+    def dequantized_weight(self):
+        return dequantize_int8(self.qweight, self.scale)
+
+    def weight_bytes(self) -> int:
+        return self.qweight.nbytes + self.scale_bf16.nbytes
+
+    def extra_repr(self):
+        return f"{self.in_features} -> {self.out_features}, int8 per-channel"
+
+
+class Int4Linear(QuantLinear):
+    """Weight-only int4, asymmetric, one scale and zero point per group of input columns."""
+
+    def __init__(self, linear: nn.Linear, group_size: int = 64, q=None, scale=None, zero=None):
+        super().__init__(linear)
+        check_group_size(group_size, linear.in_features)
+        if q is None:
+            q, scale, zero = quantize_int4(linear.weight.detach(), group_size)
+        self.group_size = group_size
+        dev = linear.weight.device
+        self.register_buffer("qweight", pack_int4(q).to(dev))           # [N, K/2] nibbles
+        self.register_buffer("qscale", scale.float().to(dev))           # [N, K/g]
+        self.register_buffer("zero", zero.float().to(dev))              # [N, K/g]
+        if self.use_kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).cpu(), 1)
+            z = (8 - zero) * scale                                       # kernel's float zero
+            sz = torch.stack((scale, z), dim=-1).transpose(0, 1)        # [K/g, N, 2]
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_and_zeros", sz.contiguous().to(torch.bfloat16))
+
+    def kernel(self, x):                                     # x [M, K] bf16 -> [M, N] bf16
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
+                                                          self.scales_and_zeros)
+
+    def reference(self, x):
+        return int4_linear_ref(x, unpack_int4(self.qweight), self.qscale, self.zero, self.bias)
+
+    def dequantized_weight(self):
+        return dequantize_int4(unpack_int4(self.qweight), self.qscale, self.zero)
+
+    def weight_bytes(self) -> int:
+        """What the kernel reads: packed nibbles and the bf16 scales/zeros."""
+        if self.use_kernel:
+            return self.packed.nbytes + self.scales_and_zeros.nbytes
+        return self.qweight.nbytes + self.qscale.nbytes + self.zero.nbytes
+
+    def extra_repr(self):
+        return f"{self.in_features} -> {self.out_features}, int4 group {self.group_size}"
