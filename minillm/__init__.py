@@ -9,6 +9,6 @@ from .sampling import SamplingParams, StructuredOutputsParams
 from .engine import LLM
 
 __all__ = ["configs", "kernels", "kvmath", "roofline", "ModelConfig", "Transformer",
-           "SamplingParams", "StructuredOutputsParams", "load_model", "generate", "generate_stream", "generate_no_cache",
-           "LLM"]
+           "SamplingParams", "StructuredOutputsParams", "load_model", "generate",
+           "generate_stream", "generate_no_cache", "LLM"]
 __version__ = "0.1.0"

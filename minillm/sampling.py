@@ -284,7 +284,8 @@ def make_generator(seed: Optional[int], device="cpu") -> torch.Generator:
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [R, V] -> the final distributions [R, V] float32 that sampling draws from:
-    temperature, then min-p, then top-k, then top-p, then softmax. Greedy is a one-hot on the argmax.
+    temperature, then min-p, then top-k, then top-p, then softmax. Greedy is a one-hot on the
+    argmax.
     `sample` draws from these rows; speculative verification (chapter 07) compares them with the
     draft's distributions, so both use exactly the same pipeline."""
     logits = logits.float()

@@ -353,7 +353,10 @@ class LLMEngine:
             self.step_stats.append(stats)
         deltas = [TokenDelta(request_id=req.request_id, index=req.sample_index,
                              token_ids=tuple(toks), num_output_tokens=req.num_output_tokens,
-                             finished=req.is_finished) for req, toks in update.emitted]
+                             finished=req.is_finished,
+                             logprobs=tuple(req.logprobs[len(req.logprobs) - len(toks):]
+                                            if req.params.logprobs is not None else ()))
+                  for req, toks in update.emitted]
         return StepOutput(finished=[self._output(rid) for rid in finished], deltas=deltas,
                           stats=stats)
 
@@ -370,15 +373,24 @@ class LLMEngine:
         first = group[0]
         prompt_lp = None
         if first.params.prompt_logprobs is not None:
-            prompt_lp = [None] + [self._logprob_dict(d) for d in first.prompt_logprobs[1:]]
+            prompt_lp = [None] + [self.logprob_dict(d) for d in first.prompt_logprobs[1:]]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True,
                              "; ".join(errors) or None,
                              num_cached_tokens=first.num_cached_tokens or 0,
                              prompt_logprobs=prompt_lp)
 
-    def _logprob_dict(self, report: dict) -> dict:
+    def logprob_dict(self, report: dict) -> dict:
         """{id: (logprob, rank)} from the runner -> {id: Logprob} with each token's text."""
         return {t: Logprob(lp, rank, self.decode_token(t)) for t, (lp, rank) in report.items()}
+
+    def decode_prompt(self, ids: list) -> str:
+        """A token-id prompt's text, special tokens kept (what `echo` puts back)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """ValueError if params.structured_outputs is invalid or matches nothing (add_request
+        checks it too; a server calls this first to answer 400 before queueing)."""
+        self._grammar(params)
 
     def decode_token(self, token: int) -> str:
         """One token's own text (special tokens included), as logprobs reports show it."""
@@ -400,7 +412,7 @@ class LLMEngine:
             stop = r.output_token_ids[-1]
         lps = cum = None
         if r.params.logprobs is not None:
-            lps = [self._logprob_dict(d) for d in r.logprobs]
+            lps = [self.logprob_dict(d) for d in r.logprobs]
             cum = sum(d[t].logprob for d, t in zip(lps, r.output_token_ids))
         return CompletionOutput(r.sample_index, text, list(r.output_token_ids), r.finish_reason,
                                 r.metrics, stop, lps, cum)

@@ -89,6 +89,7 @@ class TokenDelta:
     token_ids: tuple                    # this step's new tokens
     num_output_tokens: int              # the sequence's output tokens so far, these included
     finished: bool                      # this sequence finished in this step
+    logprobs: tuple = ()                # {id: (logprob, rank)} per token, when asked for
 
 
 @dataclass(frozen=True, kw_only=True)

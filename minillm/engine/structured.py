@@ -38,11 +38,16 @@ import torch
 from ..sampling import StructuredOutputsParams
 
 
+# compact JSON (", " and ": " separators, no free whitespace): a small model given free
+# whitespace tends to wander in newlines; a schema's own "x-guidance" options override this
+JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
 def grammar_text(so: StructuredOutputsParams) -> str:
     """llguidance's grammar for one StructuredOutputsParams."""
     from llguidance import LLMatcher, grammar_from
     if so.json_object:
-        return LLMatcher.grammar_from_json_schema({"type": "object"})
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if so.json is not None:
         schema = so.json
         if isinstance(schema, str):
@@ -52,7 +57,7 @@ def grammar_text(so: StructuredOutputsParams) -> str:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be a JSON object, got {schema!r:.80}")
-        return LLMatcher.grammar_from_json_schema(schema)
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     if so.regex is not None:
         return LLMatcher.grammar_from_regex(so.regex)
     return grammar_from("choice", list(so.choice))
