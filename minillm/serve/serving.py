@@ -367,7 +367,7 @@ class OpenAIServing:
         st = _StreamState(reply)
         try:
             for c in first or []:
-                yield sse_data(c)
+                yield sse_data(st.with_usage(c, body.continuous_usage))
             for i, text in enumerate(reply.echo):
                 for j in range(reply.n) if text else ():
                     yield sse_data(st.with_usage(chunk(i * reply.n + j, text, None, None),
