@@ -1,5 +1,6 @@
 """langchain-openai's ChatOpenAI against minillm."""
 import jsonschema
+from langchain_core.messages import HumanMessage
 from langchain_openai import ChatOpenAI
 
 from common import BASE, MODEL, check
@@ -32,7 +33,7 @@ def _():
 @check(C, "n=2")
 def _():
     res = ChatOpenAI(model=MODEL, base_url=BASE + "/v1", api_key="none", max_tokens=6, n=2,
-                     temperature=1.0, max_retries=0).generate([[("user", "Hi")]])
+                     temperature=1.0, max_retries=0).generate([[HumanMessage("Hi")]])
     assert len(res.generations[0]) == 2
     return f"{len(res.generations[0])} generations"
 

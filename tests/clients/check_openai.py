@@ -99,13 +99,16 @@ def _():
     return r.choices[0].message.content
 
 
-@check(C, "response_format json_object parses")
+@check(C, "response_format json_object parses (every choice that finished)")
 def _():
-    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
-                                  "Reply with a tiny JSON object"}], max_tokens=200,
-                                  response_format={"type": "json_object"}, temperature=0)
-    assert isinstance(json.loads(r.choices[0].message.content), dict)
-    return r.choices[0].message.content[:80]
+    r = c.chat.completions.create(model=MODEL, messages=[
+        {"role": "system", "content": 'Answer with a JSON object like {"answer": "yes"}.'},
+        {"role": "user", "content": "Is the sky blue?"}], max_tokens=100, n=4, seed=0,
+        temperature=0.7, response_format={"type": "json_object"})
+    done = [ch for ch in r.choices if ch.finish_reason == "stop"]
+    assert done, "no choice finished within 100 tokens"
+    assert all(isinstance(json.loads(ch.message.content), dict) for ch in done)
+    return f"{len(done)}/4 finished and parse: {done[0].message.content[:60]}"
 
 
 @check(C, "guided_json / guided_regex / guided_choice")
