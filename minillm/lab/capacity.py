@@ -3,6 +3,9 @@
     littles_law_concurrency(rate, latency)  requests in the system = arrival rate x time in it
     littles_law_latency(concurrency, rate)  the inverse: time in the system = requests / rate
     cost_per_million_tokens(price, tok/s)   dollars per 1e6 tokens at a measured throughput
+    slo_miss_fractions(metrics, ...)        the share of requests over each latency objective
+    max_concurrency_for_tpot(cost, ...)     the most requests in flight whose mean step meets a
+                                            TPOT objective (a StepCost and the mean lengths)
     step_peak_bytes(model, num_tokens)      memory one forward pass of num_tokens needs on top of
                                             what is already allocated, measured in a child process
 
@@ -40,6 +43,33 @@ def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float, num_gpus
         raise ValueError(f"need price >= 0, throughput > 0 and num_gpus >= 1, got "
                          f"{price_per_hour}, {tokens_per_s}, {num_gpus}")
     return price_per_hour * num_gpus / (tokens_per_s * 3600.0) * 1e6
+
+
+def slo_miss_fractions(metrics, ttft_slo: float, tpot_slo: float) -> dict:
+    """{"ttft": share of requests whose TTFT > ttft_slo, "tpot": share whose TPOT > tpot_slo}.
+    A one-token request has no TPOT (None) and never misses it, as in vLLM's benchmark."""
+    ms = list(metrics)
+    if not ms:
+        raise ValueError("slo_miss_fractions needs at least one request's metrics")
+    late = {"ttft": sum(m.ttft is not None and m.ttft > ttft_slo for m in ms),
+            "tpot": sum(m.tpot is not None and m.tpot > tpot_slo for m in ms)}
+    return {k: v / len(ms) for k, v in late.items()}
+
+
+def max_concurrency_for_tpot(cost, tpot_slo: float, prompt_len: float, output_len: float) -> int:
+    """The most requests in flight (running or waiting) whose mean step meets `tpot_slo`.
+
+    Over its life a request adds prompt_len + output_len - 1 tokens to the batch in output_len
+    steps (one prefill, then one token per step), and one sequence to every step. With N in
+    flight the mean step costs fixed + N x (per_seq + per_token x tokens per step of one
+    request); the answer is the largest N for which that stays within the objective (0: none)."""
+    if tpot_slo <= 0 or prompt_len < 1 or output_len < 1:
+        raise ValueError(f"need tpot_slo > 0, prompt_len >= 1, output_len >= 1, got "
+                         f"{tpot_slo}, {prompt_len}, {output_len}")
+    per_request = cost.per_seq + cost.per_token * (prompt_len + output_len - 1) / output_len
+    if per_request <= 0:
+        raise ValueError("the cost model charges nothing per request: any concurrency fits")
+    return max(0, int((tpot_slo - cost.fixed) // per_request))
 
 
 def _rss_bytes() -> int:
@@ -108,4 +138,4 @@ def _tensors(obj):
 
 
 __all__ = ["littles_law_concurrency", "littles_law_latency", "cost_per_million_tokens",
-           "step_peak_bytes", "kv_pool_bytes"]
+           "slo_miss_fractions", "max_concurrency_for_tpot", "step_peak_bytes", "kv_pool_bytes"]
