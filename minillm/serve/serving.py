@@ -107,7 +107,8 @@ def sse_data(payload: dict) -> str:
 @dataclass(frozen=True)
 class Admitted:
     """A request handed to the engine thread: where its events arrive, and what its chunks say."""
-    request_id: str                 # "cmpl-...-0" or "chatcmpl-...-0": the engine's id
+    request_id: str                 # the engine's id: the reply's ("cmpl-...", "chatcmpl-...")
+                                    # or, for a prompt list, the reply's + "-<prompt index>"
     events: asyncio.Queue           # of TextDelta / Finished / Failed / Aborted
     num_prompt_tokens: int
     created: int                    # unix seconds, the same in every chunk
@@ -304,9 +305,9 @@ class OpenAIServing:
         admitted = []
         try:
             for i, (ids, params) in enumerate(zip(ids_list, plans)):
-                events = self.aengine.submit(f"{rid}-{i}", ids, params,
-                                             arrival_time=self.engine.clock())
-                admitted.append(Admitted(f"{rid}-{i}", events, len(ids), int(time.time())))
+                eid = rid if len(ids_list) == 1 else f"{rid}-{i}"   # the engine's request id
+                events = self.aengine.submit(eid, ids, params, arrival_time=self.engine.clock())
+                admitted.append(Admitted(eid, events, len(ids), int(time.time())))
         except QueueFull as e:
             for adm in admitted:
                 self.aengine.abort(adm.request_id)

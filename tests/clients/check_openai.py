@@ -117,7 +117,7 @@ def _():
                              extra_body={"guided_choice": ["yes", "no"]}).choices[0].text
     b = c.completions.create(model=MODEL, prompt="Code:", max_tokens=10,
                              extra_body={"guided_regex": r"[A-Z]{3}-\d{3}"}).choices[0].text
-    d = c.completions.create(model=MODEL, prompt="City:", max_tokens=60,
+    d = c.completions.create(model=MODEL, prompt="City:", max_tokens=100, temperature=0,
                              extra_body={"guided_json": SCHEMA}).choices[0].text
     import re
     assert a in ("yes", "no") and re.fullmatch(r"[A-Z]{3}-\d{3}", b)
