@@ -117,12 +117,15 @@ def _():
                              extra_body={"guided_choice": ["yes", "no"]}).choices[0].text
     b = c.completions.create(model=MODEL, prompt="Code:", max_tokens=10,
                              extra_body={"guided_regex": r"[A-Z]{3}-\d{3}"}).choices[0].text
-    d = c.completions.create(model=MODEL, prompt="City:", max_tokens=100, temperature=0,
-                             extra_body={"guided_json": SCHEMA}).choices[0].text
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                              "color": {"enum": ["red", "green"]}},
+             "required": ["ok", "color"], "additionalProperties": False}
+    d = c.completions.create(model=MODEL, prompt="Flag:", max_tokens=40, temperature=0,
+                             extra_body={"guided_json": small}).choices[0].text
     import re
     assert a in ("yes", "no") and re.fullmatch(r"[A-Z]{3}-\d{3}", b)
-    jsonschema.validate(json.loads(d), SCHEMA)
-    return f"{a} {b} {d}"
+    jsonschema.validate(json.loads(d), small)      # bounded: an unbounded integer can run
+    return f"{a} {b} {d}"                          # past max_tokens (finish_reason length)
 
 
 @check(C, "unknown model -> NotFoundError (404)")
