@@ -4,6 +4,7 @@
 #                     then nbval over notebooks/ on the GPU
 # make test-browser - JupyterLab in headless Chromium: run a lecture, move a widget (CI runs it too)
 # make llama-cpp    - optional: llama-cpp-python built with native CPU flags (chapter 12's comparison)
+# make test-clients - openai, langchain-openai, llm, litellm, guidellm, lm-eval against the server (~3 min)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -11,7 +12,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.minillm-installed
 NB_TIMEOUT ?= 600
 
-.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser exercises check-exercises bench train-draft llama-cpp clean-venv
+.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser test-clients exercises check-exercises bench train-draft llama-cpp clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -97,3 +98,18 @@ llama-cpp: $(STAMP)
 
 clean-venv:
 	rm -rf $(VENV)
+
+# Third-party clients (openai, langchain-openai, llm, litellm, guidellm, lm-eval) against
+# `python -m minillm serve` on a free loopback port, offline. They get their own venv
+# (CLIENTS_VENV; torch CPU pinned first so lm-eval and guidellm pull no other torch). About 3
+# minutes on 2 CPU cores once the venv exists (its first install downloads ~1 GB): kept out of
+# `make test` / .ci/run. Prints a client x feature table; exit 1 if any check fails.
+CLIENTS_VENV ?= .venv-clients
+test-clients: $(STAMP)
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/pip install -q "torch==$(TORCH_VERSION)+cpu" || \
+	  $(CLIENTS_VENV)/bin/pip install -q "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu
+	$(CLIENTS_VENV)/bin/pip install -q "torch==$(TORCH_VERSION)+cpu" -r tests/clients/requirements.txt || \
+	  $(CLIENTS_VENV)/bin/pip install -q "torch==$(TORCH_VERSION)" -r tests/clients/requirements.txt
+	$(BIN)/python tests/clients/run_clients.py --clients-python $(CLIENTS_VENV)/bin/python \
+	  --report $(CLIENTS_VENV)/clients-report.json

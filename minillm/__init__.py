@@ -5,10 +5,10 @@ from .configs import ModelConfig
 from .generate import generate, generate_no_cache, generate_stream
 from .loader import load_model
 from .model import Transformer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, StructuredOutputsParams
 from .engine import LLM
 
 __all__ = ["configs", "kernels", "kvmath", "roofline", "ModelConfig", "Transformer",
-           "SamplingParams", "load_model", "generate", "generate_stream", "generate_no_cache",
-           "LLM"]
+           "SamplingParams", "StructuredOutputsParams", "load_model", "generate",
+           "generate_stream", "generate_no_cache", "LLM"]
 __version__ = "0.1.0"

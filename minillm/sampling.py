@@ -1,12 +1,21 @@
 """Turning logits into the next token (chapter 00).
 
-Order of operations, as in vLLM: divide by temperature, keep the top-k logits, keep the smallest
-set of tokens whose probability reaches top-p, then draw. Temperature 0 means greedy (argmax), and
-so does any temperature below GREEDY_EPSILON (1e-5).
+Order of operations, as in vLLM: penalties on the raw logits (they need the request's tokens,
+so the engine applies them with `apply_penalties` before anything else), divide by temperature,
+drop tokens below min-p times the top probability, keep the top-k logits, keep the smallest set
+of tokens whose probability reaches top-p, then draw. Temperature 0 means greedy (argmax), and so
+does any temperature below GREEDY_EPSILON (1e-5).
 
+    apply_penalties(logits, params, prompt_ids, output_ids)   repetition / frequency / presence
     probs(logits, params)   the final distribution after that pipeline [R, V] (one place)
     sample(logits, params)  one draw per row from it (greedy: the argmax, no distribution built)
+    token_logprobs(logprobs_row, token, k)   a token's log-probability, its rank and the top k
 Chapter 07's speculative verification compares `probs` with the draft's distributions.
+
+Log-probabilities the engine reports (SamplingParams.logprobs / prompt_logprobs) are those of
+the RAW model distribution, log_softmax of the logits before penalties, temperature, filters or a
+grammar's mask: vLLM's default ("raw_logprobs"). They say what the model believes, which is what
+scoring and multiple-choice evaluation need, and they do not collapse to 0 / -inf for greedy.
 """
 from __future__ import annotations
 
@@ -17,6 +26,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+MAX_LOGPROBS = 20               # most alternatives per position (OpenAI's and vLLM's cap)
 
 # Temperatures below this sample greedily: dividing logits by 1e-39 overflows to inf, and the
 # distribution is a one-hot on the argmax long before that anyway.
@@ -57,6 +68,13 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)           # stop strings
     stop_token_ids: list[int] = field(default_factory=list)
     n: int = 1                      # parallel samples per prompt
+    logprobs: Optional[int] = None          # per output token: its logprob + the top-k (0..20)
+    prompt_logprobs: Optional[int] = None   # the same for every prompt token after the first
+    presence_penalty: float = 0.0           # subtract once from every token already generated
+    frequency_penalty: float = 0.0          # subtract per occurrence in the output
+    repetition_penalty: float = 1.0         # divide (>0) / multiply (<0) logits of seen tokens
+    min_p: float = 0.0                      # drop tokens below min_p * the top probability
+    structured_outputs: Optional["StructuredOutputsParams"] = None   # a grammar (chapter 08)
 
     def __post_init__(self):
         self.validate()
@@ -88,8 +106,45 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         self.top_k, self.max_tokens, self.n = k, m, n
+        self._check_extras()
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._stop_ids(self.stop_token_ids)
+
+    def _check_extras(self) -> None:
+        """logprobs, penalties, min_p, structured_outputs (issue 19; vLLM's ranges)."""
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None:
+                v = _integer(name, v, f"give 0..{MAX_LOGPROBS} alternatives, or None for none")
+                if not 0 <= v <= MAX_LOGPROBS:
+                    raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS} (alternatives per "
+                                     f"token), got {v}")
+                setattr(self, name, v)
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = _number(name, getattr(self, name), "use 0.0 to disable it")
+            if not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}; use 0.0 to disable it")
+        r = _number("repetition_penalty", self.repetition_penalty, "use 1.0 to disable it")
+        if r <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1.0 disables it), got {r}")
+        mp = _number("min_p", self.min_p, "use 0.0 to disable it")
+        if not 0.0 <= mp <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {mp}; use 0.0 to disable it")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams(json=..., "
+                             f"regex=..., choice=... or json_object=True), got {so!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def allows_drafts(self) -> bool:
+        """Speculative drafts are verified on logits that must not depend on tokens the step
+        itself adds; penalties and grammars do, so such requests decode without drafts."""
+        return not self.has_penalties and self.structured_outputs is None
 
     @staticmethod
     def _stop_strings(stop) -> list:
@@ -128,6 +183,75 @@ class SamplingParams:
         return self.temperature < GREEDY_EPSILON
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's StructuredOutputsParams; exactly one field):
+    json (a JSON schema, dict or string), regex, choice (a list of strings), or json_object=True
+    (any JSON object). minillm/engine/structured.py compiles it into a per-step token mask."""
+    json: Optional[object] = None
+    regex: Optional[str] = None
+    choice: Optional[list] = None
+    json_object: bool = False
+
+    def __post_init__(self):
+        given = [k for k in ("json", "regex", "choice") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, "
+                             f"json_object; got {given or 'none'}")
+        if self.regex is not None and not isinstance(self.regex, str):
+            raise ValueError(f"regex must be a string, got {self.regex!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not
+                                        self.choice or not all(isinstance(c, str) and c
+                                                               for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of non-empty strings, got "
+                             f"{self.choice!r}")
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list,
+                    output_ids: list) -> torch.Tensor:
+    """Penalties on raw logits [R, V], in place (vLLM's definitions): repetition over prompt and
+    output tokens (a positive logit is divided by it, a negative one multiplied), then
+    frequency (times the token's count in the output) and presence (once if it occurs) over
+    the output only."""
+    if not params.has_penalties:
+        return logits
+    V = logits.shape[-1]
+    dev = logits.device
+    out = torch.tensor(output_ids, dtype=torch.long, device=dev)
+    counts = torch.zeros(V, device=dev).index_add_(0, out, torch.ones(len(output_ids),
+                                                                      device=dev))   # [V]
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(prompt_ids, dtype=torch.long, device=dev)] = True
+        r = params.repetition_penalty
+        pen = torch.where(logits > 0, logits / r, logits * r)
+        logits.copy_(torch.where(seen, pen, logits))
+    logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop every token whose probability is below min_p times the row's top probability.
+    logits [B, V] (already divided by the temperature)."""
+    if min_p <= 0.0:
+        return logits
+    p = logits.softmax(dim=-1)
+    return logits.masked_fill(p < min_p * p.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
+def token_logprobs(logprobs: torch.Tensor, token: int, k: int) -> dict:
+    """One position's report from its raw log-probabilities [V]: {token id: (logprob, rank)} for
+    the given token (rank 1 = the most likely) and the k most likely tokens."""
+    lp = float(logprobs[token])
+    out = {int(token): (lp, int((logprobs > logprobs[token]).sum()) + 1)}
+    if k:
+        top = torch.topk(logprobs, k)
+        for rank, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+            out.setdefault(int(t), (float(v), rank))
+    return out
+
+
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Set every logit outside the k largest of each row to -inf. logits [B, V]."""
     if k == -1 or k >= logits.shape[-1]:
@@ -160,13 +284,15 @@ def make_generator(seed: Optional[int], device="cpu") -> torch.Generator:
 
 def probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [R, V] -> the final distributions [R, V] float32 that sampling draws from:
-    temperature, then top-k, then top-p, then softmax. Greedy is a one-hot on the argmax.
+    temperature, then min-p, then top-k, then top-p, then softmax. Greedy is a one-hot on the
+    argmax.
     `sample` draws from these rows; speculative verification (chapter 07) compares them with the
     draft's distributions, so both use exactly the same pipeline."""
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     logits = logits / params.temperature
+    logits = min_p_filter(logits, params.min_p)
     logits = top_k_filter(logits, params.top_k)
     logits = top_p_filter(logits, params.top_p)
     return logits.softmax(dim=-1)

@@ -13,16 +13,17 @@ from grader_contract import contract_tests, planted_bug_tests
 
 NOTEBOOK = "08_serving.ipynb"
 LIMIT = 60
-GRADED = {"goodput": ch08.GOODPUT, "max_rate": ch08.MAX_RATE, "max_waiting": ch08.MAX_WAITING}
+GRADED = {"goodput": ch08.GOODPUT, "max_rate": ch08.MAX_RATE, "max_waiting": ch08.MAX_WAITING,
+          "min_p_filter": ch08.MIN_P}
 
 (test_solution_scores_full_marks, test_unfilled_exercise_fails_every_check,
  test_solution_cells_hold_the_marked_solution) = contract_tests(NOTEBOOK, GRADED, min_checks=4)
 
 
 def test_chapter_lists_its_exercises_for_batch_grading():
-    assert ch08.EXERCISES == (ch08.GOODPUT, ch08.MAX_RATE, ch08.MAX_WAITING)
+    assert ch08.EXERCISES == (ch08.GOODPUT, ch08.MAX_RATE, ch08.MAX_WAITING, ch08.MIN_P)
     assert [e.id for e in ch08.EXERCISES] == ["ch08.goodput", "ch08.max_rate",
-                                              "ch08.max_waiting"]
+                                              "ch08.max_waiting", "ch08.min_p_filter"]
 
 
 def test_reference_goodput_is_the_benchmarks_definition():
@@ -181,6 +182,47 @@ def waiting_float(slo, c, p, s, n):
     return max(0.0, (slo - p) * c / w - 1)
 
 
+# ------------------------------------------------------------------ planted bugs: min_p_filter
+
+def _min_p_check(min_p):
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError("min_p must be in [0, 1]")
+
+
+def min_p_absolute(logits, min_p):
+    _min_p_check(min_p)
+    return logits.masked_fill(logits.softmax(-1) < min_p, float("-inf"))
+
+
+def min_p_on_logits(logits, min_p):
+    _min_p_check(min_p)
+    return logits.masked_fill(logits < min_p * logits.max(-1, keepdim=True).values,
+                              float("-inf"))
+
+
+def min_p_inverted(logits, min_p):
+    _min_p_check(min_p)
+    p = logits.softmax(-1)
+    return logits.masked_fill(p >= min_p * p.max(-1, keepdim=True).values, float("-inf"))
+
+
+def min_p_batch_max(logits, min_p):
+    _min_p_check(min_p)
+    p = logits.softmax(-1)
+    return logits.masked_fill(p < min_p * p.max(), float("-inf"))
+
+
+def min_p_in_place(logits, min_p):
+    _min_p_check(min_p)
+    p = logits.softmax(-1)
+    return logits.masked_fill_(p < min_p * p.max(-1, keepdim=True).values, float("-inf"))
+
+
+def min_p_no_validation(logits, min_p):
+    p = logits.softmax(-1)
+    return logits.masked_fill(p < min_p * p.max(-1, keepdim=True).values, float("-inf"))
+
+
 BUGS = [
     ("goodput", goodput_counts_failed, "failed requests are never good",
      "counted failed requests"),
@@ -201,10 +243,26 @@ BUGS = [
     ("max_waiting", waiting_one_slot, "longest queue", "in parallel"),
     ("max_waiting", waiting_negative, "never a negative bound", "never negative"),
     ("max_waiting", waiting_float, "longest queue", "return an int"),
+    ("min_p_filter", min_p_absolute, "keeps the tokens", "relative"),
+    ("min_p_filter", min_p_on_logits, "keeps the tokens", "not logits"),
+    ("min_p_filter", min_p_inverted, "keeps the tokens", "dropped the tokens to keep"),
+    ("min_p_filter", min_p_batch_max, "own top probability", "each row"),
+    ("min_p_filter", min_p_in_place, "keeps the tokens", "changed the logits"),
+    ("min_p_filter", min_p_no_validation, "bad input raises ValueError", "ValueError"),
 ]
 
 (test_planted_bug_is_caught_with_a_specific_message,
  test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)
+
+
+def test_reference_min_p_filter_is_the_samplers():
+    import torch
+
+    from minillm.sampling import SamplingParams, probs
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.1, 0.06, 0.04]]))
+    kept = torch.isfinite(ch08.reference_min_p_filter(logits, 0.15))
+    assert kept.tolist() == [[True, True, True, False, False]]
+    assert torch.equal(probs(logits, SamplingParams(min_p=0.15)) > 0, kept)
 
 
 def test_a_learner_function_that_loops_forever_is_stopped():

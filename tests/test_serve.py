@@ -455,7 +455,6 @@ BAD_BODIES = [
      "temperature"),
     ("prompt is a number", {"model": MODEL, "prompt": 7}, "prompt"),
     ("missing prompt", {"model": MODEL}, "prompt"),
-    ("unknown model", {"model": "gpt-9", "prompt": "hi"}, "does not exist"),
     ("max_tokens 0", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("max_tokens -3", {"model": MODEL, "prompt": "hi", "max_tokens": -3}, "max_tokens"),
     ("prompt too long", {"model": MODEL, "prompt": "word " * 300, "max_tokens": 4}, "context"),
@@ -463,10 +462,30 @@ BAD_BODIES = [
     ("empty prompt", {"model": MODEL, "prompt": ""}, "empty"),
     ("token id out of range", {"model": MODEL, "prompt": [1, 10 ** 7]}, "token ids"),
     ("unknown field", {"model": MODEL, "prompt": "hi", "temprature": 0}, "temprature"),
-    ("unsupported field", {"model": MODEL, "prompt": "hi", "presence_penalty": 0.5},
-     "presence_penalty"),
+    ("unsupported field", {"model": MODEL, "prompt": "hi", "logit_bias": {"1": 5}},
+     "logit_bias"),
     ("top_p out of range", {"model": MODEL, "prompt": "hi", "top_p": 0}, "top_p"),
-    ("two prompts", {"model": MODEL, "prompt": ["a", "b"]}, "one prompt"),
+    ("too many prompts", {"model": MODEL, "prompt": ["a"] * 65}, "at most 64"),
+    ("one bad prompt of two", {"model": MODEL, "prompt": ["a", ""]}, "empty"),
+    ("logprobs over 20", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
+    ("n over the cap", {"model": MODEL, "prompt": "hi", "n": 17}, "n must be"),
+    ("best_of != n", {"model": MODEL, "prompt": "hi", "best_of": 3}, "best_of"),
+    ("presence_penalty out of range", {"model": MODEL, "prompt": "hi", "presence_penalty": 3},
+     "presence_penalty"),
+    ("min_p out of range", {"model": MODEL, "prompt": "hi", "min_p": 1.5}, "min_p"),
+    ("invalid JSON schema", {"model": MODEL, "prompt": "hi", "guided_json": {"type": "nope"}},
+     "grammar"),
+    ("regex no token sequence matches", {"model": MODEL, "prompt": "hi",
+                                         "guided_regex": "[^\\s\\S]"}, "no token sequence"),
+    ("bad regex", {"model": MODEL, "prompt": "hi", "guided_regex": "("}, "regex"),
+    ("two grammars", {"model": MODEL, "prompt": "hi", "guided_regex": "a",
+                      "guided_choice": ["a"]}, "one of"),
+    ("bad response_format", {"model": MODEL, "prompt": "hi",
+                             "response_format": {"type": "xml"}}, "response_format"),
+    ("json_schema without a schema", {"model": MODEL, "prompt": "hi",
+                                      "response_format": {"type": "json_schema"}}, "schema"),
+    ("echo over the context", {"model": MODEL, "prompt": "word " * 300, "echo": True,
+                               "logprobs": 1, "max_tokens": 1}, "context"),
 ]
 
 
@@ -494,9 +513,15 @@ def test_bad_requests_get_400_while_another_stream_runs(server, client):
                              ({"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
                               "role"),
                              ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                               "tools": [{"type": "function"}]}, "tools")]:
+                               "tools": [{"type": "function"}]}, "tools"),
+                             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                               "top_logprobs": 2}, "logprobs=true"),
+                             ({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                               "logprobs": True, "top_logprobs": 21}, "top_logprobs")]:
             r = h.post(server.base_url + "/v1/chat/completions", json=body)
             assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        r = h.post(server.base_url + "/v1/completions", json={"model": "gpt-9", "prompt": "hi"})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
     t.join(60)
     assert result["text"] == alone
     with pytest.raises(openai.BadRequestError) as e:       # what a client program sees

@@ -49,7 +49,7 @@ from ..generate import Prompt, check_context_room, prompt_token_ids, stop_reason
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
 from .model_runner import ModelRunner, kv_blocks_for_memory
-from .outputs import CompletionOutput, RequestOutput, StepOutput, TokenDelta
+from .outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenDelta
 from .request import Request
 from .scheduler import Scheduler, StepUpdate
 from .spec_decode import DraftRequest, build_proposer, check_drafts, parse_speculative_config, room
@@ -119,6 +119,7 @@ class LLMEngine:
         self._unreturned: list = []              # finished request ids (abort...) not yet returned
         self.step_stats = collections.deque(maxlen=max_step_stats)
         self.spec_stats = None                   # SpecStats when speculating (chapter 07)
+        self._structured = None                  # StructuredOutputManager, on first grammar
         if speculative_config is not None:
             from ..spec.stats import SpecStats
             self.spec_stats = SpecStats()
@@ -180,14 +181,26 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use; pick a unique id")
         ids = self.encode(prompt)
         self.check(ids, params)
+        grammar = self._grammar(params)
         gen = None if params.greedy else make_generator(params.seed, self.model.device)
         self._arrivals += 1
         req = Request(self.scheduler.new_seq_id(), request_id, ids, params,
                       arrival_time if arrival_time is not None else self.clock(),
                       self._arrivals, gen, prompt=prompt if isinstance(prompt, str) else None,
-                      cache_salt=cache_salt)
+                      cache_salt=cache_salt, grammar=grammar)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
+
+    def _grammar(self, params: SamplingParams):
+        """The request's grammar matcher (chapter 08's engine/structured.py), or None: no mask.
+        ValueError for a grammar that is invalid or matches nothing."""
+        if params.structured_outputs is None:
+            return None
+        if self._structured is None:
+            from .structured import StructuredOutputManager
+            self._structured = StructuredOutputManager(self.tokenizer, self.config.vocab_size,
+                                                       self.eos_token_id)
+        return self._structured.grammar(params.structured_outputs)
 
     def abort_request(self, request_id: str) -> bool:
         """Finish every sample of the request with reason "abort" and free its blocks. Its
@@ -239,6 +252,7 @@ class LLMEngine:
             if not sched.is_empty:
                 result = self.runner.execute(sched)
                 update = self.scheduler.update_from_output(sched, result, self._check_stop)
+                self._record_logprobs(sched, update, result)
                 self._record_spec(result)
                 self._propose(update, result.hidden)
         except BaseException:
@@ -262,6 +276,19 @@ class LLMEngine:
         return stop_reason(req.params, req.output_token_ids, self.eos_token_id,
                            decode=self.decode if req.params.stop else None)
 
+    @staticmethod
+    def _record_logprobs(sched, update: StepUpdate, result) -> None:
+        """Keep the runner's logprobs for the tokens the update kept (a stop inside a step's
+        tokens drops the rest) and the prompt positions computed in this step."""
+        for req, toks in update.emitted:
+            report = result.logprobs.get(req.seq_id)
+            if report:
+                req.logprobs.extend(report[:len(toks)])
+        for req, _ in sched.scheduled:
+            pos, report = result.prompt_logprobs.get(req.seq_id, (None, None))
+            if pos == len(req.prompt_logprobs) and req.seq_id not in result.errors:
+                req.prompt_logprobs.extend(report)
+
     def _record_spec(self, result) -> None:
         for seq_id, k in result.num_drafts.items():
             self.spec_stats.record(k, len(result.sampled[seq_id]) - 1)
@@ -272,6 +299,7 @@ class LLMEngine:
         live = [req for req, _ in update.emitted if not req.is_finished]
         for req in live:                        # the drafts just verified are spent
             req.spec_token_ids, req.spec_draft_probs = [], None
+        live = [req for req in live if req.params.allows_drafts]   # no penalties, no grammar
         if not live or self.proposer.num_speculative_tokens == 0:
             return
         if self.proposer.needs_hidden and any(r.seq_id not in hidden for r in live):
@@ -325,7 +353,10 @@ class LLMEngine:
             self.step_stats.append(stats)
         deltas = [TokenDelta(request_id=req.request_id, index=req.sample_index,
                              token_ids=tuple(toks), num_output_tokens=req.num_output_tokens,
-                             finished=req.is_finished) for req, toks in update.emitted]
+                             finished=req.is_finished,
+                             logprobs=tuple(req.logprobs[len(req.logprobs) - len(toks):]
+                                            if req.params.logprobs is not None else ()))
+                  for req, toks in update.emitted]
         return StepOutput(finished=[self._output(rid) for rid in finished], deltas=deltas,
                           stats=stats)
 
@@ -340,9 +371,32 @@ class LLMEngine:
         errors = [r.error if len(group) == 1 else f"sample {r.sample_index}: {r.error}"
                   for r in group if r.error]
         first = group[0]
+        prompt_lp = None
+        if first.params.prompt_logprobs is not None:
+            prompt_lp = [None] + [self.logprob_dict(d) for d in first.prompt_logprobs[1:]]
         return RequestOutput(request_id, first.prompt, list(first.prompt_token_ids), outs, True,
                              "; ".join(errors) or None,
-                             num_cached_tokens=first.num_cached_tokens or 0)
+                             num_cached_tokens=first.num_cached_tokens or 0,
+                             prompt_logprobs=prompt_lp)
+
+    def logprob_dict(self, report: dict) -> dict:
+        """{id: (logprob, rank)} from the runner -> {id: Logprob} with each token's text."""
+        return {t: Logprob(lp, rank, self.decode_token(t)) for t, (lp, rank) in report.items()}
+
+    def decode_prompt(self, ids: list) -> str:
+        """A token-id prompt's text, special tokens kept (what `echo` puts back)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer else ""
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """ValueError if params.structured_outputs is invalid or matches nothing (add_request
+        checks it too; a server calls this first to answer 400 before queueing)."""
+        self._grammar(params)
+
+    def decode_token(self, token: int) -> str:
+        """One token's own text (special tokens included), as logprobs reports show it."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def _completion(self, r: Request) -> CompletionOutput:
         """One sample's output: text cut before a stop string, what stopped it."""
@@ -356,8 +410,12 @@ class LLMEngine:
             text, stop = text[:r.text_cut], r.stop_text
         elif r.finish_reason == "stop" and r.output_token_ids:
             stop = r.output_token_ids[-1]
+        lps = cum = None
+        if r.params.logprobs is not None:
+            lps = [self.logprob_dict(d) for d in r.logprobs]
+            cum = sum(d[t].logprob for d, t in zip(lps, r.output_token_ids))
         return CompletionOutput(r.sample_index, text, list(r.output_token_ids), r.finish_reason,
-                                r.metrics, stop)
+                                r.metrics, stop, lps, cum)
 
     # --- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> list:

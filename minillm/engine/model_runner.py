@@ -35,7 +35,7 @@ import torch
 from ..cache.paged import PagedKVCache, build_step_metadata
 from ..kvmath import kv_bytes_per_token
 from ..model import capture_hidden
-from ..sampling import sample
+from ..sampling import apply_penalties, sample, token_logprobs
 from .spec_decode import verify
 
 # num_kv_blocks=None sizes the pool from memory:
@@ -64,6 +64,9 @@ class ModelRunnerOutput:
     errors: dict = field(default_factory=dict)       # seq_id -> why its step failed
     hidden: dict = field(default_factory=dict)       # seq_id -> [C] hidden state at its last token
                                                      # (only when the proposer needs it)
+    logprobs: dict = field(default_factory=dict)     # seq_id -> [{id: (logprob, rank)}] per
+                                                     # sampled token (SamplingParams.logprobs)
+    prompt_logprobs: dict = field(default_factory=dict)   # seq_id -> (first position, [{...}])
 
 
 @dataclass
@@ -73,6 +76,8 @@ class StepInputs:
     meta: object                     # StepMetadata
     logits_rows: torch.Tensor        # [S] rows of the flat batch that get logits
     samplers: list                   # [(request, first logits row, num_drafts)]
+    prompt_rows: list = field(default_factory=list)   # [(request, first logits row, first
+                                     # position it predicts, count)]: prompt logprobs
 
 
 class ModelRunner:
@@ -93,23 +98,28 @@ class ModelRunner:
         out = ModelRunnerOutput()
         self.copy_blocks(sched)
         with capture_hidden(self.model, self.needs_hidden) as cap:
-            logits, samplers = self._forward(sched.scheduled, out.errors)          # [S, V]
+            logits, samplers, prompt_rows = self._forward(sched.scheduled, out.errors)  # [S, V]
         hidden = (cap.value[0] if cap.value is not None and cap.value.shape[1] == len(logits)
                   else None)
+        self._prompt_logprobs(logits, prompt_rows, out)
         for child, parent in sched.forks:       # siblings sample from their parent's row
             row = next((r for req, r, _ in samplers if req is parent), None)
             if row is None:
                 out.errors[child.seq_id] = out.errors.get(parent.seq_id, "its parent failed")
             else:
                 samplers.append((child, row, 0))
+        raw = self._raw_logprobs(logits, samplers)      # before penalties and masks
+        self._process_logits(logits, samplers, out)
         self._sample(logits, samplers, hidden, out)
+        self._sampled_logprobs(raw, samplers, out)
         return out
 
     def prepare(self, scheduled) -> StepInputs:
         """Flatten [(request, num_new_tokens)] into the step's tensors (built once per step)."""
-        ids, spans, tables, rows, samplers = [], [], [], [], []
+        ids, spans, tables, rows, samplers, extra = [], [], [], [], [], []
         for req, n in scheduled:
             c = req.num_computed_tokens
+            self._prompt_rows(req, c, n, len(ids), extra)
             ids.extend(req.token_ids(c, c + n))
             spans.append((c, n))
             tables.append(req.kv.block_ids)
@@ -117,10 +127,27 @@ class ModelRunner:
             if k >= 0:                           # the step reaches its last token: sample
                 samplers.append((req, len(rows), k))
                 rows.extend(range(len(ids) - 1 - k, len(ids)))
+        prompt_rows = []                        # prompt-logprob rows go after the sampled ones
+        for req, first_id, pos, count in extra:
+            prompt_rows.append((req, len(rows), pos, count))
+            rows.extend(range(first_id, first_id + count))
         dev = self.device
         return StepInputs(torch.tensor([ids], dtype=torch.long, device=dev),
                           build_step_metadata(spans, tables, self.block_size, dev),
-                          torch.tensor(rows, dtype=torch.long, device=dev), samplers)
+                          torch.tensor(rows, dtype=torch.long, device=dev), samplers,
+                          prompt_rows)
+
+    @staticmethod
+    def _prompt_rows(req, c: int, n: int, offset: int, extra: list) -> None:
+        """Rows of this chunk whose logits score the NEXT prompt token (prompt_logprobs): chunk
+        positions c .. min(c + n, P - 1) - 1, each predicting the token after it. Positions
+        already reported (a recompute after preemption) are not asked for again."""
+        if req.params.prompt_logprobs is None:
+            return
+        start = max(c, len(req.prompt_logprobs) - 1)
+        end = min(c + n, req.num_prompt_tokens - 1)
+        if end > start:
+            extra.append((req, offset + start - c, start + 1, end - start))
 
     def run(self, scheduled):
         """Prepare and run the forward for [(request, num_new_tokens)]. Returns (logits [S, V],
@@ -131,7 +158,7 @@ class ModelRunner:
         self.cache.set_step(step.meta)
         logits = self.model(step.input_ids, positions=step.meta.positions[None], cache=self.cache,
                             logits_rows=step.logits_rows)                       # [1, S, V]
-        return logits[0], step.samplers
+        return logits[0], step.samplers, step.prompt_rows
 
     def _forward(self, scheduled, errors: dict):
         """The step's forward. If the batch raises, run each request alone: the ones that fail
@@ -142,26 +169,92 @@ class ModelRunner:
         except Exception as e:                  # noqa: BLE001 - attributed below
             if len(scheduled) == 1:             # nothing to bisect: it is this request's
                 errors[scheduled[0][0].seq_id] = f"forward failed: {type(e).__name__}: {e}"
-                return self._no_logits(), []
-        parts, samplers, offset = [], [], 0
+                return self._no_logits(), [], []
+        parts, samplers, prompt_rows, offset = [], [], [], 0
         for req, n in scheduled:
             try:
-                logits, own = self.run([(req, n)])
+                logits, own, own_prompt = self.run([(req, n)])
             except Exception as e:              # noqa: BLE001 - this request's error only
                 errors[req.seq_id] = f"forward failed: {type(e).__name__}: {e}"
                 continue
             parts.append(logits)
             samplers += [(r, row + offset, k) for r, row, k in own]
+            prompt_rows += [(r, row + offset, p, c) for r, row, p, c in own_prompt]
             offset += len(logits)
-        return (torch.cat(parts), samplers) if parts else (self._no_logits(), [])
+        return ((torch.cat(parts), samplers, prompt_rows) if parts
+                else (self._no_logits(), [], []))
 
     def _no_logits(self) -> torch.Tensor:
         return torch.empty(0, self.model.config.vocab_size, device=self.device)   # [0, V]
 
+    # --- logprobs, penalties, grammars (chapter 08) ---------------------------------------------
+    @staticmethod
+    def _prompt_logprobs(logits, prompt_rows, out: ModelRunnerOutput) -> None:
+        """Raw log-probabilities of prompt tokens: row i of a span scores token pos + i."""
+        for req, row, pos, count in prompt_rows:
+            lp = torch.log_softmax(logits[row:row + count].float(), dim=-1)   # [count, V]
+            toks = req.prompt_token_ids[pos:pos + count]
+            k = req.params.prompt_logprobs
+            out.prompt_logprobs[req.seq_id] = (pos, [token_logprobs(lp[i], t, k)
+                                                     for i, t in enumerate(toks)])
+
+    @staticmethod
+    def _raw_logprobs(logits, samplers) -> dict:
+        """seq_id -> raw log_softmax [1 + k, V] of the rows of requests that report logprobs,
+        taken before penalties and grammar masks change the logits."""
+        return {req.seq_id: torch.log_softmax(logits[row:row + 1 + k].float(), dim=-1)
+                for req, row, k in samplers if req.params.logprobs is not None}
+
+    @staticmethod
+    def _process_logits(logits, samplers, out: ModelRunnerOutput) -> None:
+        """Penalties (each request's own tokens), then every grammar's token mask, applied to the
+        batch's logits rows in one masked_fill before anything samples. A request whose grammar
+        fails gets an error; the others sample normally."""
+        rows, masks, done = [], [], set()
+        for req, row, k in samplers:
+            if row in done:                     # an n > 1 sibling shares its parent's row
+                continue
+            done.add(row)
+            try:
+                apply_penalties(logits[row:row + 1 + k], req.params, req.prompt_token_ids,
+                                req.output_token_ids)
+                allowed = req.grammar.allowed(logits.shape[-1])            # [V] bool or None
+            except Exception as e:              # noqa: BLE001 - this request's error only
+                out.errors[req.seq_id] = f"logits processing failed: {type(e).__name__}: {e}"
+                continue
+            if allowed is not None:
+                rows.append(row)
+                masks.append(allowed)
+        if rows:
+            idx = torch.tensor(rows, device=logits.device)
+            mask = torch.stack(masks).to(logits.device)                     # [G, V]
+            logits[idx] = logits[idx].masked_fill(~mask, float("-inf"))
+
+    @staticmethod
+    def _sampled_logprobs(raw: dict, samplers, out: ModelRunnerOutput) -> None:
+        """After sampling: the grammar consumes the sampled token (a refusal fails that request)
+        and logprobs are read for each sampled token from its own row."""
+        for req, _, _ in samplers:
+            toks = out.sampled.get(req.seq_id)
+            if toks is None:
+                continue
+            try:
+                for t in toks:
+                    req.grammar.accept(t)
+            except Exception as e:              # noqa: BLE001 - this request's error only
+                del out.sampled[req.seq_id]
+                out.errors[req.seq_id] = f"structured output failed: {e}"
+                continue
+            if req.seq_id in raw:
+                lp, k = raw[req.seq_id], req.params.logprobs
+                out.logprobs[req.seq_id] = [token_logprobs(lp[i], t, k)
+                                            for i, t in enumerate(toks)]
+
     def _sample(self, logits, samplers, hidden, out: ModelRunnerOutput) -> None:
         """One token per plain row (greedy ones in one batched argmax), verification for rows
         that carry drafts. A failure is that sequence's alone."""
-        greedy = [(req, row) for req, row, k in samplers if k == 0 and req.params.greedy]
+        greedy = [(req, row) for req, row, k in samplers
+                  if k == 0 and req.params.greedy and req.seq_id not in out.errors]
         if greedy:
             try:
                 idx = torch.tensor([row for _, row in greedy], device=logits.device)
@@ -170,7 +263,7 @@ class ModelRunner:
             except Exception:                   # noqa: BLE001 - found row by row below
                 pass
         for req, row, k in samplers:
-            if req.seq_id not in out.sampled:
+            if req.seq_id not in out.sampled and req.seq_id not in out.errors:
                 self._sample_one(logits, req, row, k, out)
             if hidden is not None and req.seq_id in out.sampled:
                 out.hidden[req.seq_id] = hidden[row + len(out.sampled[req.seq_id]) - 1]   # [C]

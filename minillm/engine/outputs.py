@@ -16,6 +16,15 @@ from typing import Optional
 from ..metrics import RequestMetrics
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a logprobs report (vLLM's Logprob): its log-probability under the
+    raw model distribution, its rank there (1 = most likely) and its text."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
 @dataclass
 class CompletionOutput:
     index: int                          # sample index, 0 .. n-1
@@ -24,6 +33,8 @@ class CompletionOutput:
     finish_reason: Optional[str]        # "stop" | "length" | "abort" | "error"
     metrics: Optional[RequestMetrics] = None
     stop_reason: Optional[object] = None   # the stop string or stop token id that ended it
+    logprobs: Optional[list] = None        # SamplingParams.logprobs: per token {id: Logprob}
+    cumulative_logprob: Optional[float] = None   # sum of the sampled tokens' logprobs
 
 
 @dataclass
@@ -35,6 +46,8 @@ class RequestOutput:
     finished: bool = True
     error: Optional[str] = None         # set when finish_reason == "error"
     num_cached_tokens: int = 0          # prompt tokens served from the prefix cache (chapter 06)
+    prompt_logprobs: Optional[list] = None   # SamplingParams.prompt_logprobs: None for the
+                                             # first token, then {id: Logprob} per prompt token
 
     @property
     def text(self) -> str:
@@ -76,6 +89,7 @@ class TokenDelta:
     token_ids: tuple                    # this step's new tokens
     num_output_tokens: int              # the sequence's output tokens so far, these included
     finished: bool                      # this sequence finished in this step
+    logprobs: tuple = ()                # {id: (logprob, rank)} per token, when asked for
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,24 @@ from ..metrics import RequestMetrics
 from ..sampling import SamplingParams, make_generator
 
 
+class NoGrammar:
+    """No structured output: allows every token (the null object until chapter 08's
+    engine/structured.py gives a request a real grammar)."""
+    active = False
+
+    def allowed(self, vocab_size: int):
+        return None                              # no mask
+
+    def accept(self, token: int) -> None:
+        pass
+
+    def fork(self) -> "NoGrammar":
+        return self
+
+
+NO_GRAMMAR = NoGrammar()
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,7 +60,8 @@ class Request:
     def __init__(self, seq_id: int, request_id: str, prompt_token_ids: list,
                  params: SamplingParams, arrival_time: float, arrival_order: int,
                  generator: Optional[torch.Generator] = None, sample_index: int = 0,
-                 prompt: Optional[str] = None, cache_salt: Optional[str] = None):
+                 prompt: Optional[str] = None, cache_salt: Optional[str] = None,
+                 grammar=None):
         self.seq_id = seq_id                       # key in the BlockManager, unique per sequence
         self.request_id = request_id               # the caller's id, shared by the n samples
         self.sample_index = sample_index
@@ -67,6 +86,9 @@ class Request:
         self.spec_token_ids: list = []             # drafts to verify next step (chapter 07)
         self.spec_draft_probs = None               # their draft distributions [k, V] or None
         self.draft_state = None                    # the proposer's state for this sequence
+        self.logprobs: list = []                   # per output token {id: (logprob, rank)}
+        self.prompt_logprobs: list = [None]        # per prompt token (the first has none)
+        self.grammar = grammar if grammar is not None else NO_GRAMMAR   # chapter 08's mask
         self.metrics = RequestMetrics(arrival_time=arrival_time,
                                       num_prompt_tokens=len(self.prompt_token_ids),
                                       sample_index=sample_index)
@@ -93,6 +115,12 @@ class Request:
         """More than the last sampled token is still missing from the cache (also true while
         recomputing after a preemption)."""
         return self.num_uncomputed_tokens > 1 or self.num_output_tokens == 0
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need logits at every prompt position, so such a request computes its
+        whole prompt instead of starting on cached blocks (as vLLM does)."""
+        return self.params.prompt_logprobs is not None
 
     def token_ids(self, start: int, end: int) -> list:
         """Tokens [start, end); positions past num_tokens are the drafts (chapter 07)."""
@@ -121,8 +149,10 @@ class Request:
                                  self.generator.device if self.generator is not None else "cpu")
         child = Request(seq_id, self.request_id, self.prompt_token_ids, p,
                         self.metrics.arrival_time, self.arrival_order, gen,
-                        sample_index=sample_index, prompt=self.prompt, cache_salt=self.cache_salt)
+                        sample_index=sample_index, prompt=self.prompt, cache_salt=self.cache_salt,
+                        grammar=self.grammar.fork())
         child.output_token_ids = list(self.output_token_ids)
+        child.logprobs = list(self.logprobs)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
         child.metrics.first_scheduled_time = self.metrics.first_scheduled_time

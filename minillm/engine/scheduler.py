@@ -310,7 +310,8 @@ class Scheduler:
             swapped = req.status == RequestStatus.SWAPPED
             tokens = req.token_ids(0, req.num_tokens)
             # the longest cached prefix ([] with prefix caching off, or for a swapped request)
-            hits = [] if swapped else self.bm.find_cached_blocks(tokens, req.cache_salt)
+            hits = ([] if swapped or req.skip_reading_prefix_cache
+                    else self.bm.find_cached_blocks(tokens, req.cache_salt))
             computed = req.num_computed_tokens + len(hits) * self.block_size
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             n = self._chunk_size(req.num_tokens - computed, budget) if budget > 0 else 0

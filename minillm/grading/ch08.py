@@ -6,6 +6,8 @@
                                              #     a fixed number of slots sustains
     ch08.check_max_waiting(max_waiting)      # (c) an admission bound that keeps TTFT under an
                                              #     SLO, checked by replaying an overload
+    ch08.check_min_p_filter(min_p_filter)    # (d) min-p filtering, the sampling parameter the
+                                             #     server's `min_p` sets
 
 (a) goodput(requests, slos, duration) -> good requests per second. The reference is
 minillm.metrics.summarize on the load generator's RequestResult records (vLLM's benchmark
@@ -16,6 +18,8 @@ is Little's law, lambda = L / W with L the slots and W the time a request holds 
 longest waiting queue a new request may join and still expect its first token within the SLO
 (the queue drains at the Little's-law rate of (b)). The solutions notebook replays an overload
 through minillm's engine with that bound as the admission rule.
+(d) min_p_filter(logits, min_p) -> logits with every token whose probability is below min_p
+times the row's top probability set to -inf. The reference is minillm.sampling.min_p_filter.
 """
 from __future__ import annotations
 
@@ -298,4 +302,93 @@ def check_max_waiting(max_waiting, time_limit: Optional[float] = None):
     return MAX_WAITING.check(max_waiting, time_limit)
 
 
-EXERCISES = (GOODPUT, MAX_RATE, MAX_WAITING)
+# =========================================================================== (d) min_p_filter
+
+def reference_min_p_filter(logits, min_p):
+    from ..sampling import min_p_filter
+    if not 0.0 <= min_p <= 1.0:
+        raise ValueError("min_p must be in [0, 1]")
+    return min_p_filter(logits, min_p)
+
+
+def _rows(probs):
+    import torch
+    return torch.log(torch.tensor(probs, dtype=torch.float32))
+
+
+def _min_p_cases(cases):
+    def check(fn):
+        import torch
+        for logits, min_p in cases:
+            before = logits.clone()
+            got = fn(logits, min_p)
+            if not isinstance(got, torch.Tensor) or got.shape != logits.shape:
+                raise Problem(f"min_p={min_p}: return a tensor of the logits' shape "
+                              f"{tuple(logits.shape)}, got {got!r:.60}")
+            if not torch.equal(logits, before):
+                raise Problem("you changed the logits passed in; return a new tensor "
+                              "(masked_fill, not masked_fill_)")
+            want = reference_min_p_filter(logits, min_p)
+            kept, want_kept = torch.isfinite(got), torch.isfinite(want)
+            if not torch.equal(kept, want_kept) or not torch.equal(got[kept], logits[kept]):
+                probs = logits.softmax(-1)[0].tolist()
+                raise Problem(f"min_p={min_p}, probabilities {probs!r:.90}"
+                              f": you kept {kept[0].tolist()}, expected {want_kept[0].tolist()}; "
+                              + _min_p_diagnosis(got, logits, min_p))
+    return check
+
+
+def _min_p_diagnosis(got, logits, min_p) -> str:
+    import torch
+    p = logits.softmax(-1)
+    kept = torch.isfinite(got)
+    for mask, why in (
+            (p >= min_p, "the threshold is relative: min_p times the row's TOP probability, "
+                         "not min_p itself"),
+            (logits >= min_p * logits.max(-1, keepdim=True).values,
+             "compare probabilities (softmax), not logits"),
+            (p < min_p * p.max(-1, keepdim=True).values, "you dropped the tokens to keep: keep "
+                                                          "p >= min_p x p_max"),
+            (p >= min_p * p.max(), "each row has its own top probability")):
+        if torch.equal(kept, mask):
+            return why
+    return "keep exactly the tokens with p >= min_p x max(p) in their row; the rest -> -inf"
+
+
+def _min_p_errors(fn):
+    import torch
+    for v in (-0.1, 1.5):
+        expect_value_error(lambda: fn(torch.zeros(1, 4), v), f"min_p_filter(logits, {v})")
+
+
+_MIN_P_BASIC = [(_rows([[0.5, 0.3, 0.1, 0.06, 0.04]]), 0.15),
+                (_rows([[0.02, 0.9, 0.05, 0.03]]), 0.05),
+                (_rows([[0.25, 0.25, 0.25, 0.25]]), 0.5)]
+_MIN_P_EDGES = [(_rows([[0.7, 0.2, 0.1]]), 0.0), (_rows([[0.7, 0.2, 0.1]]), 1.0)]
+
+
+def _min_p_random():
+    import torch
+    g = torch.Generator().manual_seed(8)
+    return [(torch.randn(1 + i % 3, 50, generator=g) * (1 + i % 4), 0.02 + (i % 7) * 0.07)
+            for i in range(60)]
+
+
+MIN_P = Exercise("ch08.min_p_filter", "min_p_filter", (
+    Check("keeps the tokens with p >= min_p x the top probability", _min_p_cases(_MIN_P_BASIC)),
+    Check("min_p 0 keeps everything, 1 keeps only the top (ties included)",
+          _min_p_cases(_MIN_P_EDGES)),
+    Check("each row has its own top probability", _min_p_cases(
+        [(_rows([[0.9, 0.05, 0.05], [0.4, 0.35, 0.25]]), 0.3)])),
+    Check("bad input raises ValueError", _min_p_errors),
+    Check("agrees with minillm.sampling.min_p_filter on 60 random batches",
+          _min_p_cases(_min_p_random())),
+))
+
+
+def check_min_p_filter(min_p_filter, time_limit: Optional[float] = None):
+    """Grade exercise (d): min_p_filter(logits [B, V], min_p) -> filtered logits [B, V]."""
+    return MIN_P.check(min_p_filter, time_limit)
+
+
+EXERCISES = (GOODPUT, MAX_RATE, MAX_WAITING, MIN_P)

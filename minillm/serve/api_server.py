@@ -6,6 +6,8 @@ answered or streamed) and runs the app; `AsyncEngine` (async_engine.py) runs the
     POST /v1/completions        text (or token ids) in, text out; `stream: true` for SSE chunks
     POST /v1/chat/completions   messages in (the tokenizer's chat template applied), text out
     GET  /v1/models             the one model served
+    POST /tokenize, /detokenize  vLLM's tokenizer endpoints (text or messages <-> token ids)
+    GET  /tokenizer_info        the special tokens and chat template (lm-eval's remote tokenizer)
     GET  /health                200 while the engine thread runs
     GET  /metrics               Prometheus text (see minillm.serve.metrics)
 
@@ -46,7 +48,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                       TokenizeRequest, error_body)
 from .serving import OpenAIServing, chat_prompt_ids
 
 
@@ -197,6 +200,18 @@ def build_app(engine, model_name: str, max_waiting: int = 256,
     async def models():
         return serving.models()
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await serving.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return serving.tokenizer_info()
+
     @app.get("/health")
     async def health():
         return serving.health()
@@ -240,7 +255,8 @@ def _http_message(request, exc) -> tuple:
     path, method = request.url.path, request.method
     if exc.status_code == 404:
         return (f"no route {path}; this server has POST /v1/completions, POST "
-                "/v1/chat/completions, GET /v1/models, /health, /metrics", "not_found_error")
+                "/v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET "
+                "/tokenizer_info, /health, /metrics", "not_found_error")
     if exc.status_code == 405:
         return f"{method} is not allowed on {path}; see the Allow header", "invalid_request_error"
     if exc.status_code == 400:

@@ -13,7 +13,8 @@ gives the engine its own thread and talks to it through two one-way channels:
 
 Only the engine thread touches the engine (no locks around it: the same single-owner design as
 vLLM's engine core), and it uses only the engine's public surface: `add_request`,
-`abort_request`, `has_unfinished`, `step_outputs` and `decode`. Everything it publishes (text,
+`abort_request`, `has_unfinished`, `step_outputs`, `decode` and `logprob_dict` (only for a
+request that asked for logprobs). Everything it publishes (text,
 finished outputs, the metrics' gauges) comes from what `step_outputs()` returned: the
 `TokenDelta`s, the finished `RequestOutput`s and the `StepStats` snapshot. Handlers never block
 the event loop on a step.
@@ -31,6 +32,9 @@ Events a request's queue receives (small frozen dataclasses; consumers match on 
                                         failed, add_request refused it)
     Aborted()                           the server stopped before it
                                         finished (shutdown)
+
+With n > 1 every sample streams (TextDelta.index says which). With logprobs, each TextDelta
+carries the {id: Logprob} of the tokens it covers.
 
 Streaming text is detokenised incrementally: each step the request's whole output so far is
 decoded and only the part past what was already sent goes out, holding back an incomplete UTF-8
@@ -56,9 +60,13 @@ from ..sampling import SamplingParams
 # --- what a request's stream receives ------------------------------------------------------------
 @dataclass(frozen=True)
 class TextDelta:
-    """New text since the previous event (never empty); `num_output_tokens` it covers so far."""
+    """New text of sample `index` since its previous event (never empty); `num_output_tokens`
+    it covers so far; `logprobs`: {id: Logprob} of each token since the previous event, when
+    the request asked for logprobs."""
     text: str
     num_output_tokens: int
+    index: int = 0
+    logprobs: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -82,28 +90,41 @@ StreamEvent = Union[TextDelta, Finished, Failed, Aborted]
 
 
 @dataclass
+class SampleStream:
+    """One sample's streaming state (n > 1 gives a request several)."""
+    token_ids: list = field(default_factory=list)   # output tokens so far (from the deltas)
+    sent_text: str = ""
+    pending_logprobs: list = field(default_factory=list)   # not yet sent with any text
+
+
+@dataclass
 class RequestStream:
     """The engine thread's view of one request it streams to."""
     request_id: str
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue           # of StreamEvent, read by the HTTP handler
     hold_back: int = 0              # characters kept back while stop strings may still match
-    token_ids: list = field(default_factory=list)   # output tokens so far (from the deltas)
-    sent_text: str = ""
+    samples: dict = field(default_factory=dict)    # sample index -> SampleStream
 
     def put(self, event: StreamEvent) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
-    def text_delta(self, text: str) -> Optional[TextDelta]:
-        """The part of `text` (the whole output decoded) that is safe to send now, or None."""
+    def sample(self, index: int) -> SampleStream:
+        return self.samples.setdefault(index, SampleStream())
+
+    def text_delta(self, text: str, index: int = 0) -> Optional[TextDelta]:
+        """The part of `text` (sample `index`'s whole output decoded) that is safe to send now,
+        or None."""
+        s = self.sample(index)
         if text.endswith("\ufffd"):              # half a UTF-8 character: wait for the rest
             return None
         end = len(text) - self.hold_back
-        if end <= len(self.sent_text) or not text.startswith(self.sent_text):
+        if end <= len(s.sent_text) or not text.startswith(s.sent_text):
             return None
-        delta = text[len(self.sent_text):end]
-        self.sent_text += delta
-        return TextDelta(delta, len(self.token_ids))
+        delta = text[len(s.sent_text):end]
+        s.sent_text += delta
+        lps, s.pending_logprobs = tuple(s.pending_logprobs), []
+        return TextDelta(delta, len(s.token_ids), index, lps)
 
 
 class QueueFull(Exception):
@@ -242,17 +263,19 @@ class AsyncEngine:
 
     def _on_delta(self, delta: TokenDelta) -> None:
         stream = self._streams.get(delta.request_id)
-        if stream is None or delta.index != 0 or delta.finished or not delta.token_ids:
-            return      # aborted; a sample not streamed; or finishing: Finished has the text
-        stream.token_ids.extend(delta.token_ids)
+        if stream is None or delta.finished or not delta.token_ids:
+            return      # aborted; or finishing: Finished has the text
+        sample = stream.sample(delta.index)
+        sample.token_ids.extend(delta.token_ids)
         try:
-            text = self.engine.decode(stream.token_ids)
+            sample.pending_logprobs.extend(self.engine.logprob_dict(d) for d in delta.logprobs)
+            text = self.engine.decode(sample.token_ids)
         except Exception as e:                    # noqa: BLE001 - this request's error only
             self.engine.abort_request(delta.request_id)     # fail that stream, free its blocks
             self._streams.pop(delta.request_id)
             stream.put(Failed(f"detokenisation failed: {type(e).__name__}: {e}"))
             return
-        event = stream.text_delta(text)
+        event = stream.text_delta(text, delta.index)
         if event is not None:
             stream.put(event)
 
@@ -281,5 +304,5 @@ class AsyncEngine:
             self._streams.pop(rid).put(Failed(msg))
 
 
-__all__ = ["AsyncEngine", "QueueFull", "RequestStream", "StreamEvent", "TextDelta", "Finished",
-           "Failed", "Aborted"]
+__all__ = ["AsyncEngine", "QueueFull", "RequestStream", "SampleStream", "StreamEvent",
+           "TextDelta", "Finished", "Failed", "Aborted"]
