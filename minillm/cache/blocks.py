@@ -56,6 +56,7 @@ class BlockPool:
         self.cached: dict = {}
         self.block_entry: list = [None] * num_blocks
         self.num_evictions = 0
+        self.evict_listeners: list = []     # chapter 11: f(block_id, entry) before eviction
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +73,8 @@ class BlockPool:
                              "preempt a sequence, or create the pool with more blocks")
         block_id, _ = self.free_blocks.popitem(last=False)
         if self.block_entry[block_id] is not None:
+            for listener in self.evict_listeners:     # a KV tier saves it (chapter 11)
+                listener(block_id, self.block_entry[block_id])
             self._forget(block_id)
             self.num_evictions += 1
         self.refcounts[block_id] = 1
@@ -177,6 +180,17 @@ class NoPrefixCache:
 
     def on_free(self, seq_id, kv: KVBlocks) -> None:
         pass
+
+
+class NoKVTier:
+    """No KV tier beyond the pool (chapters 03-10): a lookup past the pool's hits finds nothing.
+    Chapter 11's `minillm.cache.tier.DiskKVTier` answers the same call from disk."""
+
+    def lookup(self, token_ids, num_hit_blocks: int, cache_salt: Optional[str] = None) -> list:
+        return []
+
+    def clear(self) -> int:
+        return 0
 
 
 class BlockManager:

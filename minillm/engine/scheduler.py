@@ -51,6 +51,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..cache.blocks import NoKVTier
 from .request import Request, RequestStatus
 
 
@@ -60,6 +61,7 @@ class SchedulerOutput:
     copies: dict = field(default_factory=dict)               # seq_id -> [(src, dst)] copy-on-write
     blocks_to_swap_out: list = field(default_factory=list)   # [(gpu_block, cpu_block)]
     blocks_to_swap_in: list = field(default_factory=list)    # [(cpu_block, gpu_block)]
+    kv_loads: list = field(default_factory=list)  # [(block_ids, [(k, v)])] from a KV tier (ch. 11)
     preempted: list = field(default_factory=list)            # [Request]
     forks: list = field(default_factory=list)                # [(child, parent)] n > 1 siblings
 
@@ -87,7 +89,7 @@ class Scheduler:
     def __init__(self, block_manager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
-                 cpu_pool=None, clock=None, prefix_cache_stats=None):
+                 cpu_pool=None, clock=None, prefix_cache_stats=None, kv_tier=None):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
         if preemption not in ("recompute", "swap"):
@@ -110,6 +112,7 @@ class Scheduler:
         self.cpu_pool = cpu_pool
         self.clock = clock
         self.prefix_cache_stats = prefix_cache_stats        # prompt tokens looked up / hit
+        self.kv_tier = kv_tier if kv_tier is not None else NoKVTier()   # chapter 11
         self.waiting: list = []      # sorted by arrival: preempted (older) ones first
         self.running: list = []      # sorted by arrival
         self.swapped: list = []      # sorted by arrival
@@ -311,7 +314,9 @@ class Scheduler:
             tokens = req.token_ids(0, req.num_tokens)
             # the longest cached prefix ([] with prefix caching off, or for a swapped request)
             hits = [] if swapped else self.bm.find_cached_blocks(tokens, req.cache_salt)
-            computed = req.num_computed_tokens + len(hits) * self.block_size
+            # and the blocks after them that a KV tier holds ([] without one, chapter 11)
+            loads = [] if swapped else self.kv_tier.lookup(tokens, len(hits), req.cache_salt)
+            computed = req.num_computed_tokens + (len(hits) + len(loads)) * self.block_size
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             n = self._chunk_size(req.num_tokens - computed, budget) if budget > 0 else 0
             if (n == 0 or not self.bm.can_allocate(req.seq_id, computed + n, hits)
@@ -324,6 +329,8 @@ class Scheduler:
                 req.num_computed_tokens = computed
                 self._record_hit(req)
             out.copies[req.seq_id] = self._allocate(req, computed + n, hits)
+            if loads:                     # the runner writes them in before the forward
+                out.kv_loads.append((req.kv.block_ids[len(hits):len(hits) + len(loads)], loads))
             if not swapped:
                 self.bm.mark_pending(req.seq_id, tokens, req.cache_salt)
             out.scheduled.append((req, n))
