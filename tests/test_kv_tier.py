@@ -2,6 +2,7 @@
 reloads them instead of recomputing, greedy outputs never change, a damaged or mismatched file
 is never served, the tier stays under its size, and bad configuration names the fix."""
 import random
+import types
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_an_evicted_prefix_comes_back_from_disk_and_the_output_is_unchanged(mode
     eng = llm(model, tmp_path)
     first = run(eng, a)[0]
     run(eng, others)
-    tier = eng.engine.kv_tier
+    tier = eng.engine.kv_connector
     assert tier.stats.saves >= 5 and len(list(tmp_path.glob("*.safetensors"))) == tier.stats.saves
     again = run(eng, a)[0]
     assert first.token_ids == again.token_ids == ref.token_ids
@@ -70,7 +71,7 @@ def test_a_damaged_file_is_refused_and_recomputed(model, tmp_path):
     again = run(eng, a)[0]
     assert again.token_ids == want
     assert again.num_cached_tokens == 0
-    assert eng.engine.kv_tier.stats.corrupt >= 1 and eng.engine.kv_tier.stats.loads == 0
+    assert eng.engine.kv_connector.stats.corrupt >= 1 and eng.engine.kv_connector.stats.loads == 0
 
 
 def test_a_file_under_the_wrong_key_is_never_served(model, tmp_path):
@@ -80,18 +81,19 @@ def test_a_file_under_the_wrong_key_is_never_served(model, tmp_path):
     from minillm.cache.prefix import hash_block_tokens
     key = hash_block_tokens(None, toks)
     t.save(key, toks, None, None, k, v)
-    assert len(t.lookup(toks + [1], 0)) == 1
+    req = types.SimpleNamespace(cache_salt=None)
+    assert len(t.lookup(req, toks + [1], 0)[1]) == 1
     other = [5] + toks[1:]                                 # a different block: another key
     (tmp_path / f"{key:016x}.safetensors").rename(
         tmp_path / f"{hash_block_tokens(None, other):016x}.safetensors")
     t2 = DiskKVTier(tmp_path, 2 ** 30, BS)                 # re-indexes the directory
-    assert t2.lookup(other + [1], 0) == [] and t2.stats.corrupt == 1
+    assert t2.lookup(req, other + [1], 0) == (0, []) and t2.stats.corrupt == 1
 
 
 def test_the_tier_stays_under_max_bytes_dropping_the_least_recent(model, tmp_path):
     eng = llm(model, tmp_path, max_bytes=6 * 9000)
     run(eng, prompts(6, 5 * BS, seed=3))
-    tier = eng.engine.kv_tier
+    tier = eng.engine.kv_connector
     assert tier.stats.saves > 6 and tier.stats.evicted > 0
     assert tier.num_bytes <= tier.max_bytes
     assert sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) == tier.num_bytes
@@ -105,7 +107,7 @@ def test_greedy_outputs_equal_under_chunked_prefill_preemption_and_repeats(model
     eng = llm(model, tmp_path, **kw)
     for _ in range(2):                                     # the second round reloads from disk
         assert [o.token_ids for o in run(eng, ps)] == ref
-    assert eng.engine.kv_tier.stats.loads > 0
+    assert eng.engine.kv_connector.stats.loads > 0
     assert eng.engine.scheduler.num_preemptions > 0
 
 

@@ -182,12 +182,18 @@ class NoPrefixCache:
         pass
 
 
-class NoKVTier:
-    """No KV tier beyond the pool (chapters 03-10): a lookup past the pool's hits finds nothing.
-    Chapter 11's `minillm.cache.tier.DiskKVTier` answers the same call from disk."""
+class NoKVConnector:
+    """No KV from outside the pool (chapters 03-10): nothing past the pool's prefix hits is
+    found, nothing is sent anywhere when a request finishes. Chapter 11 plugs in a disk tier
+    (`minillm.cache.tier.DiskKVTier`) and the prefill/decode hand-off (`minillm.serve.disagg`),
+    which answer the same two calls (vLLM calls this seam a KV connector)."""
 
-    def lookup(self, token_ids, num_hit_blocks: int, cache_salt: Optional[str] = None) -> list:
-        return []
+    def lookup(self, req, token_ids, num_hit_blocks: int) -> tuple:
+        """(tokens found, [(k, v)] per block) for the blocks after the pool's hits."""
+        return 0, []
+
+    def request_finished(self, req) -> None:
+        """Called before a finished request's blocks are freed (req.kv still holds them)."""
 
     def clear(self) -> int:
         return 0

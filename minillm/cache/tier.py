@@ -144,26 +144,28 @@ class DiskKVTier:
         self.stats.load_seconds += time.perf_counter() - t
         return k, v
 
-    def lookup(self, token_ids, num_hit_blocks: int, cache_salt: Optional[str] = None) -> list:
-        """K/V of the blocks that follow the pool's `num_hit_blocks` hits, as far as the tier
-        holds them in a row (never the last prompt token's block: it must be computed)."""
-        bs = self.block_size
+    def lookup(self, req, token_ids, num_hit_blocks: int) -> tuple:
+        """(tokens, [(k, v)]) of the blocks that follow the pool's `num_hit_blocks` hits, as far
+        as the tier holds them in a row (never the last prompt token's block: it is computed)."""
+        bs, salt = self.block_size, req.cache_salt
         last = num_cacheable_blocks(len(token_ids), bs)
         if num_hit_blocks >= last or not self.files:
-            return []
+            return 0, []
         key = None
         for i in range(num_hit_blocks):               # the chain up to the first block to load
-            key = hash_block_tokens(key, token_ids[i * bs:(i + 1) * bs],
-                                    cache_salt if i == 0 else None)
+            key = hash_block_tokens(key, token_ids[i * bs:(i + 1) * bs], salt if i == 0 else None)
         loads = []
         for i in range(num_hit_blocks, last):
             block = token_ids[i * bs:(i + 1) * bs]
-            parent, key = key, hash_block_tokens(key, block, cache_salt if i == 0 else None)
-            kv = self.read(key, block, parent, cache_salt if i == 0 else None)
+            parent, key = key, hash_block_tokens(key, block, salt if i == 0 else None)
+            kv = self.read(key, block, parent, salt if i == 0 else None)
             if kv is None:
                 break
             loads.append(kv)
-        return loads
+        return len(loads) * bs, loads
+
+    def request_finished(self, req) -> None:
+        """Nothing: the tier saves blocks when the pool evicts them, not when requests end."""
 
 
 def parse_kv_transfer_config(config: Optional[dict], block_size: int):

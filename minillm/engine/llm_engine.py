@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ..cache.blocks import BlockManager, BlockPool, NoKVTier
+from ..cache.blocks import BlockManager, BlockPool, NoKVConnector
 from ..cache.prefix import PrefixCacheStats
 from ..generate import Prompt, check_context_room, prompt_token_ids, stop_reason
 from ..metrics import default_clock
@@ -106,12 +106,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_kv_blocks, block_size, bool(enable_prefix_caching))
         self.prefix_cache_stats = PrefixCacheStats()     # prompt tokens looked up / hit
         self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
-        self.kv_tier = self._build_kv_tier(kv_transfer_config, enable_prefix_caching)
+        self.kv_connector = self._build_kv_connector(kv_transfer_config, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill, scheduling, preemption,
                                    cpu_pool=self.cpu_pool, clock=self.clock,
                                    prefix_cache_stats=self.prefix_cache_stats,
-                                   kv_tier=self.kv_tier)
+                                   kv_connector=self.kv_connector)
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
                                   num_cpu_blocks, needs_hidden=self.proposer.needs_hidden)
@@ -139,11 +139,15 @@ class LLMEngine:
                              "(None sizes it like the GPU pool) or use preemption='recompute'")
         return num_cpu_blocks
 
-    def _build_kv_tier(self, kv_transfer_config, enable_prefix_caching):
-        """Chapter 11: a disk tier under the prefix cache (NoKVTier when not configured). The
-        pool tells it about every cached block it evicts, and the tier saves that block."""
+    def _build_kv_connector(self, kv_transfer_config, enable_prefix_caching):
+        """Chapter 11: KV from outside the pool. None: NoKVConnector (finds nothing). A dict
+        {"kv_connector": "disk", "path": ..., "max_bytes": ...}: a disk tier under the prefix
+        cache, which the pool tells about every cached block it evicts. A connector object
+        (lookup / request_finished / clear, e.g. serve/disagg.py's): used as it is."""
         if kv_transfer_config is None:
-            return NoKVTier()
+            return NoKVConnector()
+        if not isinstance(kv_transfer_config, dict):
+            return kv_transfer_config
         if not enable_prefix_caching:
             raise ValueError("a KV tier keeps blocks the prefix cache evicts; it needs "
                              "enable_prefix_caching=True")
@@ -155,8 +159,8 @@ class LLMEngine:
     def _save_to_tier(self, block_id: int, entry) -> None:
         k, v = self.runner.cache.swap_out([block_id])          # [L, 1, block_size, KVH, D]
         parent = entry.parent.key if entry.parent is not None else None
-        self.kv_tier.save(entry.key, entry.token_ids, parent,
-                          entry.cache_salt if parent is None else None, k[:, 0], v[:, 0])
+        self.kv_connector.save(entry.key, entry.token_ids, parent,
+                               entry.cache_salt if parent is None else None, k[:, 0], v[:, 0])
 
     # --- requests ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list:
@@ -404,7 +408,7 @@ class LLMEngine:
         """Forget every cached prefix that no running request holds (vLLM's reset_prefix_cache).
         Returns how many blocks were dropped (0 with prefix caching off); a KV tier (chapter
         11) is emptied too, since its blocks were computed by the same weights."""
-        return self.block_manager.reset_prefix_cache() + self.kv_tier.clear()
+        return self.block_manager.reset_prefix_cache() + self.kv_connector.clear()
 
 
 __all__ = ["LLMEngine", "StepStats", "StepOutput", "TokenDelta"]
