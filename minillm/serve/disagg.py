@@ -39,7 +39,6 @@ import atexit
 import dataclasses
 import queue
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -221,6 +220,25 @@ def decode_worker(spec: WorkerSpec, port: int, from_prefill, outbox) -> None:
     dist.destroy_process_group()
 
 
+def colocated_worker(spec: WorkerSpec, inbox, outbox) -> None:
+    """The baseline: one engine does both phases (chapters 04-05), on `spec.threads` threads."""
+    engine = spec.build(None)
+    outbox.put(("ready", "colocated"))
+    while True:
+        msg = _take(inbox, block=not engine.has_unfinished())
+        if msg is not None and msg[0] == "stop":
+            break
+        if msg is not None:                                    # ("req", rid, ids, params)
+            engine.add_request(msg[1], msg[2], msg[3])
+        if engine.has_unfinished():
+            step = engine.step_outputs()
+            now = time.perf_counter()
+            for d in step.deltas:
+                outbox.put(("tokens", d.request_id, list(d.token_ids), now))
+            for out in step.finished:
+                outbox.put(("done", out.request_id, out.finish_reason, out.error, now))
+
+
 # --- the driver ----------------------------------------------------------------------------------
 @dataclass
 class DisaggOutput:
@@ -251,33 +269,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class DisaggregatedLLM:
-    """A prefill worker and a decode worker (processes) behind one driver.
+class _Driver:
+    """Worker processes fed by queues; outputs collected here with arrival-side timestamps."""
 
-        with DisaggregatedLLM(WorkerSpec("smollm2-135m"), WorkerSpec("smollm2-135m")) as d:
-            outs = d.generate([ids_a, ids_b], SamplingParams(max_tokens=32))
-    """
-
-    def __init__(self, prefill: WorkerSpec, decode: WorkerSpec, timeout: float = 120.0):
-        import torch.multiprocessing as mp
-        ctx = mp.get_context("spawn")
-        self.timeout = timeout
-        self.to_prefill, self.to_decode, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        port = _free_port()
-        self.procs = {
-            "prefill": ctx.Process(target=prefill_worker, name="minillm-prefill", daemon=True,
-                                   args=(prefill, port, self.to_prefill, self.to_decode,
-                                         self.results)),
-            "decode": ctx.Process(target=decode_worker, name="minillm-decode", daemon=True,
-                                  args=(decode, port, self.to_decode, self.results))}
+    def _start(self, procs: dict, timeout: float) -> None:
+        self.timeout, self.procs = timeout, procs
         self.outputs: dict = {}
-        self._lock = threading.Lock()
         self._closed = False
         for p in self.procs.values():
             p.start()
         atexit.register(self.close)
         ready = set()
-        while len(ready) < 2:
+        while len(ready) < len(procs):
             msg = self._next(time.monotonic() + timeout)
             if msg[0] == "ready":
                 ready.add(msg[1])
@@ -303,19 +306,19 @@ class DisaggregatedLLM:
 
     def submit(self, request_id: str, prompt_ids: list, params: SamplingParams) -> None:
         if self._closed:
-            raise ValueError("this DisaggregatedLLM is closed; create a new one")
+            raise ValueError(f"this {type(self).__name__} is closed; create a new one")
         params.validate()
         if params.n != 1:
             raise ValueError("the disaggregated demo serves n=1 only")
         self.outputs[request_id] = DisaggOutput(request_id, arrival=time.perf_counter())
-        self.to_prefill.put(("req", request_id, list(prompt_ids), params))
+        self.inbox.put(("req", request_id, list(prompt_ids), params))
 
     def _apply(self, msg) -> Optional[str]:
         kind, rid = msg[0], msg[1]
         out = self.outputs[rid]
-        if kind == "tokens":
-            out.token_ids += msg[2]
-            out.token_times += [time.perf_counter()] * len(msg[2])
+        if kind == "tokens":                # the worker's clock: perf_counter is
+            out.token_ids += msg[2]             # CLOCK_MONOTONIC, one clock for all processes
+            out.token_times += [msg[3]] * len(msg[2])
         elif kind == "sent":
             out.kv_bytes = msg[2]
         elif kind == "received":
@@ -335,6 +338,32 @@ class DisaggregatedLLM:
             left.discard(self._apply(self._next(deadline)))
         return [self.outputs[r] for r in request_ids]
 
+    def run_trace(self, trace) -> list:
+        """trace: [(arrival seconds from now, prompt ids, SamplingParams)], submitted open-loop
+        at those times while results are collected. Outputs in trace order."""
+        base, t0 = len(self.outputs), time.perf_counter()
+        ids = [f"t{base + i}" for i in range(len(trace))]
+        order = sorted(range(len(trace)), key=lambda i: trace[i][0])
+        deadline = time.monotonic() + self.timeout + max((a for a, _, _ in trace), default=0)
+        left, nxt = set(ids), 0
+        while left:
+            while nxt < len(order) and time.perf_counter() - t0 >= trace[order[nxt]][0]:
+                i = order[nxt]
+                self.submit(ids[i], trace[i][1], trace[i][2])
+                self.outputs[ids[i]].arrival = t0 + trace[i][0]
+                nxt += 1
+            try:
+                left.discard(self._apply(self.results.get(timeout=0.005)))
+            except queue.Empty:
+                self._check_workers()
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"the trace did not finish in {self.timeout} s after its "
+                                       "last arrival; the workers were stopped") from None
+            left.difference_update(r for r in list(left) if r in self.outputs
+                                   and self.outputs[r].finish_reason is not None)
+        return [self.outputs[r] for r in ids]
+
     def generate(self, prompts: list, params: SamplingParams) -> list:
         base = len(self.outputs)
         ids = [f"d{base + i}" for i in range(len(prompts))]
@@ -346,7 +375,7 @@ class DisaggregatedLLM:
         if self._closed:
             return
         self._closed = True
-        for q in (self.to_prefill, self.to_decode):
+        for q in self.stop_queues:
             try:
                 q.put(("stop",))
             except (ValueError, OSError):
@@ -356,7 +385,7 @@ class DisaggregatedLLM:
             if p.is_alive():
                 p.kill()
                 p.join(5)
-        for q in (self.to_prefill, self.to_decode, self.results):
+        for q in self.stop_queues + [self.results]:
             q.cancel_join_thread()
             q.close()
 
@@ -367,4 +396,39 @@ class DisaggregatedLLM:
         self.close()
 
 
-__all__ = ["KVSender", "KVReceiver", "WorkerSpec", "DisaggregatedLLM", "DisaggOutput"]
+class DisaggregatedLLM(_Driver):
+    """A prefill worker and a decode worker (processes) behind one driver.
+
+        with DisaggregatedLLM(WorkerSpec("smollm2-135m"), WorkerSpec("smollm2-135m")) as d:
+            outs = d.generate([ids_a, ids_b], SamplingParams(max_tokens=32))
+    """
+
+    def __init__(self, prefill: WorkerSpec, decode: WorkerSpec, timeout: float = 120.0):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.inbox, self.to_decode, self.results = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.stop_queues = [self.inbox, self.to_decode]
+        port = _free_port()
+        self._start({
+            "prefill": ctx.Process(target=prefill_worker, name="minillm-prefill", daemon=True,
+                                   args=(prefill, port, self.inbox, self.to_decode,
+                                         self.results)),
+            "decode": ctx.Process(target=decode_worker, name="minillm-decode", daemon=True,
+                                  args=(decode, port, self.to_decode, self.results))}, timeout)
+
+
+class ColocatedLLM(_Driver):
+    """The same driver over ONE engine process doing prefill and decode: the baseline."""
+
+    def __init__(self, spec: WorkerSpec, timeout: float = 120.0):
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.inbox, self.results = ctx.Queue(), ctx.Queue()
+        self.stop_queues = [self.inbox]
+        self._start({"colocated": ctx.Process(target=colocated_worker, name="minillm-colocated",
+                                              daemon=True,
+                                              args=(spec, self.inbox, self.results))}, timeout)
+
+
+__all__ = ["KVSender", "KVReceiver", "WorkerSpec", "DisaggregatedLLM", "ColocatedLLM",
+           "DisaggOutput"]
