@@ -96,7 +96,7 @@ class LeastOutstanding:
         return least_loaded(backends)
 
 
-def _ring_point(text: str) -> int:
+def ring_point(text: str) -> int:
     return xxhash.xxh3_64_intdigest(text.encode("utf-8"))
 
 
@@ -109,7 +109,7 @@ class PrefixAffinity:
         if vnodes < 1:
             raise ValueError(f"vnodes must be >= 1, got {vnodes}")
         # the ring: each backend owns `vnodes` points; a key belongs to the next point clockwise
-        self.ring = sorted((_ring_point(f"{url}#{v}"), url) for url in urls for v in range(vnodes))
+        self.ring = sorted((ring_point(f"{url}#{v}"), url) for url in urls for v in range(vnodes))
         self._points = [p for p, _ in self.ring]
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.fallbacks = 0          # requests sent away from their owner because it was loaded
@@ -153,5 +153,5 @@ def make_policy(name: str, urls: Sequence[str], **kwargs):
     raise ValueError(f"unknown routing policy {name!r}: use one of {', '.join(POLICIES)}")
 
 
-__all__ = ["Backend", "affinity_key", "least_loaded", "RoundRobin", "LeastOutstanding",
-           "PrefixAffinity", "POLICIES", "make_policy"]
+__all__ = ["Backend", "ring_point", "affinity_key", "least_loaded", "RoundRobin",
+           "LeastOutstanding", "PrefixAffinity", "POLICIES", "make_policy"]
