@@ -318,3 +318,46 @@ def test_the_router_command_without_backends_is_one_line_and_exit_2():
     r = subprocess.run([sys.executable, "-m", "minillm", "router", "--port", "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--backend URL" in r.stderr and "Traceback" not in r.stderr
+
+
+class HungBackend:
+    """A fake replica that accepts connections and never answers (a stopped process)."""
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns = []
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def close(self):
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def test_a_hung_replica_is_taken_out_and_its_requests_fail_instead_of_hanging():
+    hung = HungBackend()
+    try:
+        with BackgroundRouter(Router([hung.url], "round_robin", health_interval=0.2)) as rt:
+            c = client_for(rt.base_url)
+            t = time.monotonic()
+            with pytest.raises(openai.APIStatusError) as e:      # taken out, nobody left
+                c.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            assert e.value.status_code == 503 and "health probe" in str(e.value)
+            assert time.monotonic() - t < 15
+            with pytest.raises(openai.APIStatusError) as e:      # now refused at once
+                c.completions.create(model=MODEL, prompt="x", max_tokens=2, timeout=2)
+            assert e.value.status_code == 503
+            state = httpx.get(rt.base_url + "/router/state").json()["backends"][0]
+            assert state["healthy"] is False and state["outstanding"] == 0
+    finally:
+        hung.close()

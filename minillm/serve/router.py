@@ -23,8 +23,11 @@ policy from routing.py and relays the answer:
            client goes away: the router closes its backend connection, and the backend aborts
                  the request (chapter 08's disconnect handling) so its KV blocks are freed
 
-A backend marked down is probed on GET /health every `health_interval` seconds and taken back
-when it answers 200. With no healthy backend a request gets 503 at once, never a hang.
+Every backend is probed on GET /health every `health_interval` seconds: one marked down is taken
+back when it answers 200; a healthy one that misses `max_missed_probes` probes in a row (a hung
+process) is marked down and its requests in flight fail with a clear error, so nothing waits
+on a replica that will never answer. With no healthy backend a request gets 503 at once, never
+a hang.
 At startup every backend must answer GET /v1/models like an OpenAI server, or the router
 refuses to start and says which URL is wrong.
 """
@@ -99,7 +102,7 @@ class Router:
 
     def __init__(self, urls: Sequence[str], policy: str = "round_robin", tokenizer=None,
                  block_size: int = 16, affinity_blocks: int = 4, health_interval: float = 1.0,
-                 request_timeout: float = 600.0, **policy_kwargs):
+                 request_timeout: float = 600.0, max_missed_probes: int = 3, **policy_kwargs):
         if not urls:
             raise ValueError("the router needs at least one backend: pass --backend URL (once "
                              "per replica)")
@@ -114,6 +117,7 @@ class Router:
         self.tokenizer, self.block_size = tokenizer, block_size
         self.affinity_blocks = affinity_blocks
         self.health_interval, self.request_timeout = health_interval, request_timeout
+        self.max_missed_probes = max_missed_probes
         self.metrics = RouterMetrics()
         self.client: Optional[httpx.AsyncClient] = None
 
@@ -177,10 +181,10 @@ class Router:
             try:
                 req = self.client.build_request("POST", backend.url + path, content=raw,
                                                 headers=headers)
-                resp = await self.client.send(req, stream=True)
+                resp = await self._watched(self.client.send(req, stream=True), backend)
                 break
-            except httpx.TransportError as e:      # nothing reached the backend's engine
-                backend.outstanding -= 1
+            except httpx.TransportError as e:      # no answer yet: the client saw nothing,
+                backend.outstanding -= 1           # so another replica may take it
                 self.mark_down(backend, e)
                 tried.add(backend.url)
         self.metrics.requests.labels(backend.url).inc()
@@ -189,11 +193,34 @@ class Router:
                                      media_type=resp.headers.get("content-type"))
         return await self._whole(resp, backend, request)
 
-    async def _relay(self, resp: httpx.Response, backend: Backend):
-        """Chunks as they come; a dead backend becomes an error event, then [DONE]."""
+    async def _watched(self, awaitable, backend: Backend):
+        """Await a backend operation, giving up (ReadTimeout) if the backend is marked down
+        meanwhile (the health probes found it hung)."""
+        task = asyncio.ensure_future(awaitable)
         try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if not backend.healthy:
+                    raise httpx.ReadTimeout("the backend stopped answering its health probes")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _relay(self, resp: httpx.Response, backend: Backend):
+        """Chunks as they come; a dead (or hung, see probe) backend becomes an error event."""
+        chunks = resp.aiter_raw()
+        try:
+            while True:
+                try:
+                    yield await asyncio.wait_for(anext(chunks), self.health_interval)
+                except asyncio.TimeoutError:       # silence: give up only if it is down
+                    if not backend.healthy:
+                        raise httpx.ReadTimeout("the backend stopped answering its health "
+                                                "probes") from None
+                except StopAsyncIteration:
+                    return
         except httpx.TransportError as e:
             self.mark_down(backend, e)
             err = error_body(f"backend {backend.url} failed mid-stream ({type(e).__name__}); "
@@ -215,6 +242,9 @@ class Router:
                 if not read.done() and await request.is_disconnected():
                     read.cancel()                  # closing the connection aborts upstream
                     return Response(status_code=499)
+                if not read.done() and not backend.healthy:
+                    read.cancel()
+                    raise httpx.ReadTimeout("the backend stopped answering its health probes")
             content = read.result()
         except httpx.TransportError as e:
             self.mark_down(backend, e)
@@ -232,15 +262,22 @@ class Router:
 
     # --- health -----------------------------------------------------------------------------
     async def probe(self) -> None:
-        """Ask every backend marked down for /health; take back those that answer 200."""
-        for b in self.backends:
-            if b.healthy:
-                continue
+        """GET /health on every backend (at most 1 s each, all at once). A backend marked down
+        that answers 200 is taken back; a healthy one that misses `max_missed_probes` probes in
+        a row (hung, overloaded past answering) is marked down, and its requests in flight
+        fail with a clear error instead of waiting for it."""
+        async def one(b: Backend) -> None:
             try:
-                r = await self.client.get(b.url + "/health", timeout=1.0)
-                b.healthy = r.status_code == 200
-            except httpx.HTTPError:
-                pass
+                ok = (await self.client.get(b.url + "/health", timeout=1.0)).status_code == 200
+            except httpx.HTTPError as e:
+                ok, b.last_error = False, f"health probe: {type(e).__name__}"
+            b.missed = 0 if ok else b.missed + 1
+            if ok and not b.healthy:
+                b.healthy = True
+            elif b.healthy and b.missed >= self.max_missed_probes:
+                b.healthy = False
+                b.failures += 1
+        await asyncio.gather(*(one(b) for b in self.backends))
 
     async def health_loop(self) -> None:
         while True:

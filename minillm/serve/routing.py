@@ -48,6 +48,7 @@ class Backend:
     outstanding: int = 0        # requests sent and not yet answered in full
     served: int = 0             # requests answered (any status)
     failures: int = 0           # transport failures seen (connect, read, timeout)
+    missed: int = 0             # health probes missed in a row
     last_error: str = ""
 
 
