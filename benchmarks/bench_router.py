@@ -128,20 +128,24 @@ def _hit(rows, pred) -> float:
                                                                    for r in sel))
 
 
-def run_policy(policy, args, trace, tok, ideal) -> dict:
+def run_policy(spec, args, trace, tok, ideal) -> dict:
+    """spec: a policy name, or prefix_affinity:N for N affinity blocks."""
+    policy, _, blocks = spec.partition(":")
+    kw = {}
+    if policy == "prefix_affinity":
+        kw = {"balance_abs": args.balance_abs, "balance_rel": args.balance_rel}
     replicas = [start_replica(args) for _ in range(args.replicas)]
     try:
         router = Router([b for _, b, _ in replicas], policy, tokenizer=tok,
-                        affinity_blocks=args.affinity_blocks, balance_abs=args.balance_abs,
-                        balance_rel=args.balance_rel) if policy == "prefix_affinity" else \
-            Router([b for _, b, _ in replicas], policy, tokenizer=tok)
+                        affinity_blocks=int(blocks or args.affinity_blocks), **kw)
         with BackgroundRouter(router) as rt:
             rows = asyncio.run(replay(rt.base_url, trace, args.max_tokens))
             state = router.state()
-        row = {"policy": policy, **summary(rows, state, ideal),
+        row = {"policy": spec, "affinity_blocks": router.affinity_blocks,
+               **summary(rows, state, ideal),
                "cold_start_s": [c for _, _, c in replicas], "load_average_after":
                os.getloadavg()}
-        print(f"{policy:18s} hit {row['hit_rate']:.2f} (turn 1 {row['hit_rate_turn1']:.2f}, "
+        print(f"{spec:18s} hit {row['hit_rate']:.2f} (turn 1 {row['hit_rate_turn1']:.2f}, "
               f"later {row['hit_rate_later_turns']:.2f})  ttft p50 {row['ttft_p50_s']:.2f}s "
               f"p99 {row['ttft_p99_s']:.2f}s  {row['output_tok_per_s']:.1f} tok/s  served "
               f"{row['served_per_replica']}  fallbacks {row['affinity_fallbacks']}", flush=True)
@@ -159,7 +163,8 @@ def run_policy(policy, args, trace, tok, ideal) -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument("--policies", nargs="+", default=list(POLICIES),
+                   help=f"of {', '.join(POLICIES)}; prefix_affinity:N sets N affinity blocks")
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
@@ -180,6 +185,9 @@ def main(argv=None):
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    for spec in args.policies:
+        if spec.partition(":")[0] not in POLICIES:
+            p.error(f"unknown policy {spec}; use {', '.join(POLICIES)} (prefix_affinity:N)")
     trace = multi_tenant_trace(args.tenants, args.sessions, args.turns, args.system_len,
                                args.user_len, args.answer_len, args.popular_share, args.rate,
                                args.turn_gap, seed=args.seed)
