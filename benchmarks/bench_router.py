@@ -129,11 +129,14 @@ def _hit(rows, pred) -> float:
 
 
 def run_policy(spec, args, trace, tok, ideal) -> dict:
-    """spec: a policy name, or prefix_affinity:N for N affinity blocks."""
-    policy, _, blocks = spec.partition(":")
+    """spec: a policy name, or prefix_affinity:N[:nofallback] (N affinity blocks; nofallback:
+    pure affinity, to measure what the load-aware fallback costs and buys)."""
+    policy, _, rest = spec.partition(":")
+    blocks, _, variant = rest.partition(":")
     kw = {}
     if policy == "prefix_affinity":
-        kw = {"balance_abs": args.balance_abs, "balance_rel": args.balance_rel}
+        kw = {"balance_abs": 10 ** 9 if variant == "nofallback" else args.balance_abs,
+              "balance_rel": args.balance_rel}
     replicas = [start_replica(args) for _ in range(args.replicas)]
     try:
         router = Router([b for _, b, _ in replicas], policy, tokenizer=tok,
