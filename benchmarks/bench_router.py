@@ -84,6 +84,8 @@ async def one(client, base, req, max_tokens, t0, rows):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    row["error"] = chunk["error"].get("message", str(chunk["error"]))
                 if chunk.get("choices") and "ttft" not in row:
                     row["ttft"] = time.perf_counter() - sent
                 if chunk.get("usage"):
@@ -91,6 +93,8 @@ async def one(client, base, req, max_tokens, t0, rows):
                         "cached_tokens"]
                     row["completion_tokens"] = chunk["usage"]["completion_tokens"]
         row["end"] = time.perf_counter() - t0
+        if r.status_code != 200:
+            row["error"] = f"HTTP {r.status_code}"
     except httpx.HTTPError as e:
         row["error"] = f"{type(e).__name__}: {e}"
     rows.append(row)
@@ -111,6 +115,8 @@ def summary(rows, state, ideal) -> dict:
     served = [b["served"] for b in state["backends"]]
     makespan = max(r["end"] for r in ok) - min(r["send"] for r in ok)
     return {"requests": len(rows), "errors": len(rows) - len(ok),
+            "error_messages": sorted({r.get("error", "no token") for r in rows
+                                      if r not in ok})[:3],
             "hit_rate": sum(r.get("cached_tokens", 0) for r in ok) / prompt,
             "ideal_hit_rate": ideal,
             "ttft_mean_s": float(ttft.mean()), "ttft_p50_s": float(np.percentile(ttft, 50)),

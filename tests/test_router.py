@@ -347,7 +347,8 @@ class HungBackend:
 def test_a_hung_replica_is_taken_out_and_its_requests_fail_instead_of_hanging():
     hung = HungBackend()
     try:
-        with BackgroundRouter(Router([hung.url], "round_robin", health_interval=0.2)) as rt:
+        with BackgroundRouter(Router([hung.url], "round_robin", health_interval=0.2,
+                                     probe_timeout=0.5)) as rt:
             c = client_for(rt.base_url)
             t = time.monotonic()
             with pytest.raises(openai.APIStatusError) as e:      # taken out, nobody left

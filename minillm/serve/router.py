@@ -102,7 +102,8 @@ class Router:
 
     def __init__(self, urls: Sequence[str], policy: str = "round_robin", tokenizer=None,
                  block_size: int = 16, affinity_blocks: int = 4, health_interval: float = 1.0,
-                 request_timeout: float = 600.0, max_missed_probes: int = 3, **policy_kwargs):
+                 request_timeout: float = 600.0, max_missed_probes: int = 3,
+                 probe_timeout: float = 5.0, **policy_kwargs):
         if not urls:
             raise ValueError("the router needs at least one backend: pass --backend URL (once "
                              "per replica)")
@@ -117,7 +118,7 @@ class Router:
         self.tokenizer, self.block_size = tokenizer, block_size
         self.affinity_blocks = affinity_blocks
         self.health_interval, self.request_timeout = health_interval, request_timeout
-        self.max_missed_probes = max_missed_probes
+        self.max_missed_probes, self.probe_timeout = max_missed_probes, probe_timeout
         self.metrics = RouterMetrics()
         self.client: Optional[httpx.AsyncClient] = None
 
@@ -262,13 +263,17 @@ class Router:
 
     # --- health -----------------------------------------------------------------------------
     async def probe(self) -> None:
-        """GET /health on every backend (at most 1 s each, all at once). A backend marked down
-        that answers 200 is taken back; a healthy one that misses `max_missed_probes` probes in
-        a row (hung, overloaded past answering) is marked down, and its requests in flight
-        fail with a clear error instead of waiting for it."""
+        """GET /health on every backend (all at once, `probe_timeout` s each). A backend marked
+        down that answers 200 is taken back; a healthy one that misses `max_missed_probes`
+        probes in a row (hung) is marked down, and its requests in flight fail with a clear
+        error instead of waiting for it. A busy replica answers /health from its event loop
+        while its engine thread computes, so the default 3 x 5 s leaves a wide margin: under
+        load a 1 s timeout took healthy replicas out mid-stream (measured with
+        benchmarks/bench_router.py)."""
         async def one(b: Backend) -> None:
             try:
-                ok = (await self.client.get(b.url + "/health", timeout=1.0)).status_code == 200
+                ok = (await self.client.get(b.url + "/health",
+                                            timeout=self.probe_timeout)).status_code == 200
             except httpx.HTTPError as e:
                 ok, b.last_error = False, f"health probe: {type(e).__name__}"
             b.missed = 0 if ok else b.missed + 1

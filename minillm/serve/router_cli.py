@@ -31,7 +31,8 @@ def add_arguments(p) -> None:
                    help="... and more than this times (the least-loaded replica's count + 1)")
     p.add_argument("--health-interval", type=float, default=1.0,
                    help="seconds between health probes of every backend (a backend that misses "
-                   "3 in a row is taken out; one marked down is taken back when it answers)")
+                   "3 in a row, 5 s each, is taken out; one marked down is taken back when it "
+                   "answers)")
     p.add_argument("--log-level", default="warning")
 
 
