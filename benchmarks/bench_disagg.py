@@ -105,7 +105,10 @@ def main(argv=None):
         if args.systems and name not in args.systems:
             continue
         with make() as llm:
-            llm.generate([[11, 12, 13]], SamplingParams(temperature=0, max_tokens=2))  # warm
+            # warm every shape the run will see (a cold first long prefill took seconds more)
+            warm = mixed_trace(8, 100.0, 0.5, args.short_len, args.long_len, 4, args.seed + 1)
+            llm.generate([ids for _, ids, _ in warm], SamplingParams(temperature=0,
+                                                                      max_tokens=4))
             best = 0.0
             for rate in args.rates:
                 trace = mixed_trace(args.requests, rate, args.long_share, args.short_len,
