@@ -362,3 +362,55 @@ def test_a_hung_replica_is_taken_out_and_its_requests_fail_instead_of_hanging():
             assert state["healthy"] is False and state["outstanding"] == 0
     finally:
         hung.close()
+
+
+class SlowBackend:
+    """A fake replica whose stream pauses longer than the router's health interval between
+    chunks (a long prefill, a slow CPU) while its /health answers at once."""
+
+    def __init__(self, gap=0.6, chunks=3):
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("content-length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers["content-length"]))
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream")
+                self.end_headers()
+                for i in range(chunks):
+                    time.sleep(gap)
+                    chunk = {"id": "x", "object": "text_completion", "created": 0,
+                             "model": MODEL, "choices": [{"index": 0, "text": f"t{i}",
+                                                          "finish_reason": None}]}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_stream_slower_than_the_health_interval_is_relayed_whole():
+    slow = SlowBackend(gap=0.6, chunks=3)
+    try:
+        with BackgroundRouter(Router([slow.url], "round_robin", health_interval=0.2)) as rt:
+            c = client_for(rt.base_url)
+            texts = [ch.choices[0].text for ch in c.completions.create(
+                model=MODEL, prompt="x", max_tokens=3, stream=True)]
+            assert texts == ["t0", "t1", "t2"]
+    finally:
+        slow.close()

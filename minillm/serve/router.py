@@ -211,17 +211,24 @@ class Router:
 
     async def _relay(self, resp: httpx.Response, backend: Backend):
         """Chunks as they come; a dead (or hung, see probe) backend becomes an error event."""
-        chunks = resp.aiter_raw()
+        chunks, pending = resp.aiter_raw(), None
         try:
             while True:
-                try:
-                    yield await asyncio.wait_for(anext(chunks), self.health_interval)
-                except asyncio.TimeoutError:       # silence: give up only if it is down
+                # one read in flight at a time, never cancelled while the backend is healthy
+                # (cancelling a read would end the stream): silence only checks the probes
+                pending = pending or asyncio.ensure_future(anext(chunks))
+                done, _ = await asyncio.wait({pending}, timeout=self.health_interval)
+                if not done:
                     if not backend.healthy:
                         raise httpx.ReadTimeout("the backend stopped answering its health "
-                                                "probes") from None
+                                                "probes")
+                    continue
+                try:
+                    chunk = pending.result()
                 except StopAsyncIteration:
                     return
+                pending = None
+                yield chunk
         except httpx.TransportError as e:
             self.mark_down(backend, e)
             err = error_body(f"backend {backend.url} failed mid-stream ({type(e).__name__}); "
@@ -229,6 +236,8 @@ class Router:
                              type="backend_error", code="backend_failed")
             yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
         finally:                   # also when the client went away: closing aborts upstream
+            if pending is not None and not pending.done():
+                pending.cancel()
             backend.outstanding -= 1
             backend.served += 1
             with anyio.CancelScope(shield=True):     # runs even while being cancelled
