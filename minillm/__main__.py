@@ -1,6 +1,7 @@
 """Command line:
 `python -m minillm generate "prompt" [--model M] [--max-tokens N] [--temperature T]`
-and `python -m minillm serve [--model M] [--port P]` (the chapter-08 server, minillm.serve.cli).
+`python -m minillm serve [--model M] [--port P]` (the chapter-08 server, minillm.serve.cli)
+and `python -m minillm router --backend URL ...` (chapter 11, minillm.serve.router_cli).
 
 Streams the reply token by token. Instruct models (a tokenizer with a chat template) get the prompt
 wrapped as a user turn; `--raw` sends the text as it is.
@@ -73,10 +74,14 @@ def main(argv=None) -> int:
     g.add_argument("--raw", action="store_true", help="no chat template")
     from .serve import cli as serve_cli                   # chapter 08; imports no web framework
     serve_cli.add_arguments(sub.add_parser("serve", help="OpenAI-compatible HTTP server"))
+    from .serve import router_cli                         # chapter 11
+    router_cli.add_arguments(sub.add_parser("router", help="route requests over several servers"))
     args = parser.parse_args(argv)
     try:
         if args.command == "serve":
             return serve_cli.run(args)
+        if args.command == "router":
+            return router_cli.run(args)
         return cmd_generate(args)
     except KeyboardInterrupt:                  # Ctrl-C: stop quietly, as shells expect
         print(file=sys.stderr)

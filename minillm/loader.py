@@ -412,6 +412,19 @@ def has_tokenizer(name: Union[str, os.PathLike, ModelConfig] = BUNDLED) -> bool:
     return key == BUNDLED
 
 
+def load_tokenizer(name: Union[str, os.PathLike] = BUNDLED):
+    """The tokenizer `load_model(name)` would return, without building the model (the router
+    of chapter 11 hashes prompts with it); a ValueError when `name` has none."""
+    if not has_tokenizer(name):
+        raise ValueError(f"{name} has no tokenizer: use {BUNDLED} or a checkpoint directory "
+                         "with tokenizer files")
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key == BUNDLED:
+        return _bundled_tokenizer()
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(name))
+
+
 def bundled_checkpoint() -> Path:
     """The converted bundled model's directory, converting the GGUF on first use."""
     dest = cache_dir() / BUNDLED

@@ -56,6 +56,7 @@ class BlockPool:
         self.cached: dict = {}
         self.block_entry: list = [None] * num_blocks
         self.num_evictions = 0
+        self.evict_listeners: list = []     # chapter 11: f(block_id, entry) before eviction
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +73,8 @@ class BlockPool:
                              "preempt a sequence, or create the pool with more blocks")
         block_id, _ = self.free_blocks.popitem(last=False)
         if self.block_entry[block_id] is not None:
+            for listener in self.evict_listeners:     # a KV tier saves it (chapter 11)
+                listener(block_id, self.block_entry[block_id])
             self._forget(block_id)
             self.num_evictions += 1
         self.refcounts[block_id] = 1
@@ -177,6 +180,23 @@ class NoPrefixCache:
 
     def on_free(self, seq_id, kv: KVBlocks) -> None:
         pass
+
+
+class NoKVConnector:
+    """No KV from outside the pool (chapters 03-10): nothing past the pool's prefix hits is
+    found, nothing is sent anywhere when a request finishes. Chapter 11 plugs in a disk tier
+    (`minillm.cache.tier.DiskKVTier`) and the prefill/decode hand-off (`minillm.serve.disagg`),
+    which answer the same two calls (vLLM calls this seam a KV connector)."""
+
+    def lookup(self, req, token_ids, num_hit_blocks: int) -> tuple:
+        """(tokens found, [(k, v)] per block) for the blocks after the pool's hits."""
+        return 0, []
+
+    def request_finished(self, req) -> None:
+        """Called before a finished request's blocks are freed (req.kv still holds them)."""
+
+    def clear(self) -> int:
+        return 0
 
 
 class BlockManager:

@@ -76,7 +76,7 @@ class LLM:
                  enable_prefix_caching: bool = True, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
                  device=None, dtype=None, clock=None, speculative_config=None,
-                 quantization: Optional[str] = None):
+                 quantization: Optional[str] = None, kv_transfer_config=None):
         if speculative_config is not None:   # fail before loading anything
             from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
@@ -106,7 +106,8 @@ class LLM:
                                 enable_chunked_prefill=enable_chunked_prefill,
                                 enable_prefix_caching=enable_prefix_caching,
                                 scheduling=scheduling, preemption=preemption, clock=clock,
-                                speculative_config=speculative_config)
+                                speculative_config=speculative_config,
+                                kv_transfer_config=kv_transfer_config)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],

@@ -43,7 +43,7 @@ from typing import Optional
 
 import torch
 
-from ..cache.blocks import BlockManager, BlockPool
+from ..cache.blocks import BlockManager, BlockPool, NoKVConnector
 from ..cache.prefix import PrefixCacheStats
 from ..generate import Prompt, check_context_room, prompt_token_ids, stop_reason
 from ..metrics import default_clock
@@ -86,7 +86,8 @@ class LLMEngine:
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
                  clock=None, max_step_stats: int = 100_000,
-                 speculative_config: Optional[dict] = None):
+                 speculative_config: Optional[dict] = None,
+                 kv_transfer_config: Optional[dict] = None):
         if speculative_config is not None:       # chapter 07; validated before anything else
             parse_speculative_config(speculative_config)
         if int(block_size) != block_size or block_size < 1:
@@ -105,10 +106,12 @@ class LLMEngine:
         self.block_manager = BlockManager(num_kv_blocks, block_size, bool(enable_prefix_caching))
         self.prefix_cache_stats = PrefixCacheStats()     # prompt tokens looked up / hit
         self.cpu_pool = BlockPool(num_cpu_blocks, block_size) if num_cpu_blocks else None
+        self.kv_connector = self._build_kv_connector(kv_transfer_config, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill, scheduling, preemption,
                                    cpu_pool=self.cpu_pool, clock=self.clock,
-                                   prefix_cache_stats=self.prefix_cache_stats)
+                                   prefix_cache_stats=self.prefix_cache_stats,
+                                   kv_connector=self.kv_connector)
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
                                   num_cpu_blocks, needs_hidden=self.proposer.needs_hidden)
@@ -136,6 +139,29 @@ class LLMEngine:
             raise ValueError("preemption='swap' needs a CPU swap pool: pass num_cpu_blocks >= 1 "
                              "(None sizes it like the GPU pool) or use preemption='recompute'")
         return num_cpu_blocks
+
+    def _build_kv_connector(self, kv_transfer_config, enable_prefix_caching):
+        """Chapter 11: KV from outside the pool. None: NoKVConnector (finds nothing). A dict
+        {"kv_connector": "disk", "path": ..., "max_bytes": ...}: a disk tier under the prefix
+        cache, which the pool tells about every cached block it evicts. A connector object
+        (lookup / request_finished / clear, e.g. serve/disagg.py's): used as it is."""
+        if kv_transfer_config is None:
+            return NoKVConnector()
+        if not isinstance(kv_transfer_config, dict):
+            return kv_transfer_config
+        if not enable_prefix_caching:
+            raise ValueError("a KV tier keeps blocks the prefix cache evicts; it needs "
+                             "enable_prefix_caching=True")
+        from ..cache.tier import parse_kv_transfer_config
+        tier = parse_kv_transfer_config(kv_transfer_config, self.block_size)
+        self.block_manager.pool.evict_listeners.append(self._save_to_tier)
+        return tier
+
+    def _save_to_tier(self, block_id: int, entry) -> None:
+        k, v = self.runner.cache.swap_out([block_id])          # [L, 1, block_size, KVH, D]
+        parent = entry.parent.key if entry.parent is not None else None
+        self.kv_connector.save(entry.key, entry.token_ids, parent,
+                               entry.cache_salt if parent is None else None, k[:, 0], v[:, 0])
 
     # --- requests ----------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list:
@@ -438,8 +464,9 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix that no running request holds (vLLM's reset_prefix_cache).
-        Returns how many blocks were dropped (0 with prefix caching off)."""
-        return self.block_manager.reset_prefix_cache()
+        Returns how many blocks were dropped (0 with prefix caching off); a KV tier (chapter
+        11) is emptied too, since its blocks were computed by the same weights."""
+        return self.block_manager.reset_prefix_cache() + self.kv_connector.clear()
 
 
 __all__ = ["LLMEngine", "StepStats", "StepOutput", "TokenDelta"]

@@ -285,7 +285,11 @@ class ModelRunner:
             out.errors[req.seq_id] = f"{what} failed: {type(e).__name__}: {e}"
 
     def copy_blocks(self, sched) -> None:
-        """The scheduler's block copies, in order: swap out, swap in, copy-on-write."""
+        """The scheduler's block copies, in order: swap out, swap in, copy-on-write, then the
+        blocks a KV tier loads."""
         self.cache.swap_out_blocks(sched.blocks_to_swap_out)    # device -> CPU pool
         self.cache.swap_in_blocks(sched.blocks_to_swap_in)      # CPU pool -> device
         self.cache.copy_blocks(sched.blocks_to_copy)            # copy-on-write
+        for block_ids, loads in sched.kv_loads:                 # from a KV tier (chapter 11)
+            self.cache.swap_in(block_ids, torch.stack([k for k, _ in loads], 1),
+                               torch.stack([v for _, v in loads], 1))

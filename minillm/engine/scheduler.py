@@ -51,6 +51,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from ..cache.blocks import NoKVConnector
 from .request import Request, RequestStatus
 
 
@@ -60,6 +61,7 @@ class SchedulerOutput:
     copies: dict = field(default_factory=dict)               # seq_id -> [(src, dst)] copy-on-write
     blocks_to_swap_out: list = field(default_factory=list)   # [(gpu_block, cpu_block)]
     blocks_to_swap_in: list = field(default_factory=list)    # [(cpu_block, gpu_block)]
+    kv_loads: list = field(default_factory=list)  # [(block_ids, [(k, v)])] from outside (ch. 11)
     preempted: list = field(default_factory=list)            # [Request]
     forks: list = field(default_factory=list)                # [(child, parent)] n > 1 siblings
 
@@ -87,7 +89,7 @@ class Scheduler:
     def __init__(self, block_manager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
-                 cpu_pool=None, clock=None, prefix_cache_stats=None):
+                 cpu_pool=None, clock=None, prefix_cache_stats=None, kv_connector=None):
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
         if preemption not in ("recompute", "swap"):
@@ -110,6 +112,8 @@ class Scheduler:
         self.cpu_pool = cpu_pool
         self.clock = clock
         self.prefix_cache_stats = prefix_cache_stats        # prompt tokens looked up / hit
+        # chapter 11: KV from outside the pool (a disk tier, a prefill engine); off: finds none
+        self.kv_connector = kv_connector if kv_connector is not None else NoKVConnector()
         self.waiting: list = []      # sorted by arrival: preempted (older) ones first
         self.running: list = []      # sorted by arrival
         self.swapped: list = []      # sorted by arrival
@@ -144,6 +148,8 @@ class Scheduler:
             if req in queue:
                 queue.remove(req)
         if self.bm.has(req.seq_id):
+            req.finish_reason = reason
+            self.kv_connector.request_finished(req)        # chapter 11: e.g. send its KV
             self._free_blocks(req)
         self._free_cpu(req)
         req.status = RequestStatus.FINISHED
@@ -310,9 +316,11 @@ class Scheduler:
             swapped = req.status == RequestStatus.SWAPPED
             tokens = req.token_ids(0, req.num_tokens)
             # the longest cached prefix ([] with prefix caching off, or for a swapped request)
-            hits = ([] if swapped or req.skip_reading_prefix_cache
-                    else self.bm.find_cached_blocks(tokens, req.cache_salt))
-            computed = req.num_computed_tokens + len(hits) * self.block_size
+            skip = swapped or req.skip_reading_prefix_cache      # prompt logprobs: compute all
+            hits = [] if skip else self.bm.find_cached_blocks(tokens, req.cache_salt)
+            # and the tokens after them found outside the pool (none until chapter 11)
+            found, loads = (0, []) if skip else self.kv_connector.lookup(req, tokens, len(hits))
+            computed = req.num_computed_tokens + len(hits) * self.block_size + found
             budget = self.max_num_batched_tokens - out.num_batched_tokens
             n = self._chunk_size(req.num_tokens - computed, budget) if budget > 0 else 0
             if (n == 0 or not self.bm.can_allocate(req.seq_id, computed + n, hits)
@@ -325,6 +333,8 @@ class Scheduler:
                 req.num_computed_tokens = computed
                 self._record_hit(req)
             out.copies[req.seq_id] = self._allocate(req, computed + n, hits)
+            if loads:                     # the runner writes them in before the forward
+                out.kv_loads.append((req.kv.block_ids[len(hits):len(hits) + len(loads)], loads))
             if not swapped:
                 self.bm.mark_pending(req.seq_id, tokens, req.cache_salt)
             out.scheduled.append((req, n))
