@@ -200,6 +200,22 @@ def build_app(engine, model_name: str, max_waiting: int = 256,
     async def models():
         return serving.models()
 
+    _add_tokenizer_routes(app, serving)
+
+    @app.get("/health")
+    async def health():
+        return serving.health()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _add_tokenizer_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, for clients without a tokenizer."""
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         return await serving.tokenize(body)
@@ -211,16 +227,6 @@ def build_app(engine, model_name: str, max_waiting: int = 256,
     @app.get("/tokenizer_info")
     async def tokenizer_info():
         return serving.tokenizer_info()
-
-    @app.get("/health")
-    async def health():
-        return serving.health()
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
