@@ -183,8 +183,15 @@ def test_affinity_sends_a_repeated_prefix_to_its_cache_round_robin_does_not(repl
     # five system prompts, each used twice (in two rounds): affinity spreads the five over both
     # replicas and sends each second use to its first one's cache; round robin (five is odd)
     # sends every second use to the other replica, which has never seen that prefix.
-    systems = [f"System prompt number {i}: " + LONG for i in range(5)]
     with routed(replicas, tok, "prefix_affinity") as rt:
+        # the ring depends on the replicas' (random) ports: pick prompts owned 3 + 2
+        router, owned = rt.router, {s.base_url: [] for s in replicas}
+        for i in range(200):
+            text = f"System prompt number {i}: " + LONG
+            key = router.key_of({"prompt": text + "Q1?"})
+            owned[router.policy.owner(key, router.backends).url].append(text)
+        a, b = owned.values()
+        systems = a[:3] + b[:2]
         c = client_for(rt.base_url)
         assert [cached_tokens(c, s + "Q1?") for s in systems] == [0] * 5
         assert all(n >= 64 for n in [cached_tokens(c, s + "Q2?") for s in systems])

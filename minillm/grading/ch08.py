@@ -319,7 +319,8 @@ def _rows(probs):
 def _min_p_cases(cases):
     def check(fn):
         import torch
-        for logits, min_p in cases:
+        for case, min_p in cases:
+            logits = case.clone()              # a learner that writes in place spoils a copy
             before = logits.clone()
             got = fn(logits, min_p)
             if not isinstance(got, torch.Tensor) or got.shape != logits.shape:

@@ -124,7 +124,7 @@ def _qa_matches(fn):
 
 
 def _qa_bad_group(fn):
-    expect_value_error(lambda: fn(torch.randn(4, 96), 64),
+    expect_value_error(lambda: fn(_weights(11, N=4, K=96), 64),
                        "quantize_int4(w [4, 96], group_size=64) (64 does not divide 96)")
 
 
@@ -134,7 +134,7 @@ QUANT = Exercise("ch09.quantize_int4", "quantize_int4", (
     Check("codes round to the nearest level", _qa_rounding),
     Check("nibble order: column 2j low, 2j + 1 high", _qa_nibbles),
     Check("matches minillm.quant at groups 32, 64, 128", _qa_matches),
-    Check("a group size that does not divide K is a ValueError", _qa_bad_group),
+    Check("a group size that does not divide K raises ValueError", _qa_bad_group),
 ))
 
 
@@ -174,7 +174,10 @@ def _one_block():
 
 def _qb_shape(fn):
     raw, _ = _one_block()
-    _call_decode(fn, raw, (1, 32))
+    got = _call_decode(fn, raw, (1, 32))
+    if not bool(torch.isfinite(got).all()):
+        raise Problem("the decoded weights hold NaN or inf; a Q4_1 block always decodes to "
+                      "finite numbers (d * code + m)")
 
 
 def _qb_one_block(fn):
@@ -227,7 +230,7 @@ def _qb_close_to_source(fn):
 
 
 DECODE = Exercise("ch09.decode_q4_1", "decode_q4_1", (
-    Check("returns a float tensor of the given shape", _qb_shape),
+    Check("returns a finite float tensor of the given shape", _qb_shape),
     Check("one block: weight = d * code + m", _qb_one_block),
     Check("nibble order: low nibbles are values 0-15, high 16-31", _qb_nibble_order),
     Check("several blocks and rows in order", _qb_rows),
@@ -321,7 +324,7 @@ ESTIMATE = Exercise("ch09.deployment_estimate", "deployment_estimate", (
     Check("int4 with groups counts the scale/zero metadata", _de_int4_groups),
     Check("step time = bytes / bandwidth", _de_step),
     Check("speedup = baseline bytes / quantized bytes", _de_speedup),
-    Check("bad bits or group size: ValueError", _de_bad),
+    Check("bad bits or group size raises ValueError", _de_bad),
 ))
 
 

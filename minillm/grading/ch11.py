@@ -96,6 +96,11 @@ def _none_when_all_down(fn):
             if got is not None:
                 raise Problem(f"every replica is down, key={key}: you chose {got!r}; return None "
                               "(the router answers 503)")
+    last = _replicas(3, down=(0, 2))                      # and the one left up takes everything
+    for key in (_KEYS[0], _KEYS[1], None):
+        got = fn(key, [dict(r) for r in last])
+        if got != last[1]["url"]:
+            raise Problem(f"only {last[1]['url']} is up, key={key}: you chose {got!r}")
 
 
 def _choose_errors(fn):
@@ -112,7 +117,7 @@ CHOOSE_REPLICA = Exercise("ch11.choose_replica", "choose_replica", (
                                        "fewest requests in flight (the first one on ties)")),
     Check("an overloaded owner falls back to the least loaded, both thresholds",
           _compare(_fallback_cases(), _fallback_hint)),
-    Check("no healthy replica: None", _none_when_all_down),
+    Check("no healthy replica: None; one left: that one", _none_when_all_down),
     Check("bad input raises ValueError", _choose_errors),
 ))
 

@@ -105,7 +105,10 @@ def _fp(value, channel, depth=0):
                 [[f.name, _fp(getattr(value, f.name), channel, depth + 1)]
                  for f in dataclasses.fields(value)]]
     if hasattr(value, "item") and type(value).__module__ == "numpy":
-        return _fp(value.item(), channel, depth + 1)
+        if getattr(value, "shape", ()) == ():                     # a numpy scalar
+            return _fp(value.item(), channel, depth + 1)
+        import torch                                               # an array: as a tensor
+        return _fp(torch.as_tensor(value), channel, depth + 1)
     state = getattr(value, "__dict__", None)
     return ["x", type(value).__qualname__,
             _fp(state, channel, depth + 1) if isinstance(state, dict) else None]
