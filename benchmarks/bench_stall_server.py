@@ -40,14 +40,15 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, default=8000)
     p.add_argument("--num-kv-blocks", type=int, default=640)
-    p.add_argument("--extra", nargs="*", default=[], help="more `serve` arguments")
+    p.add_argument("--serve-args", default="",
+                   help='more `serve` arguments, one string: "--max-num-batched-tokens 32"')
     p.add_argument("--tag", default="cpu")
     p.add_argument("--out-dir", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "minillm", "serve", "--port", str(port), "--num-kv-blocks",
-           str(args.num_kv_blocks), "--log-level", "warning", *args.extra]
+           str(args.num_kv_blocks), "--log-level", "warning", *shlex.split(args.serve_args)]
     load_before = os.getloadavg()
     server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:

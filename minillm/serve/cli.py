@@ -27,8 +27,14 @@ GPU_MAX_NUM_BATCHED_TOKENS = 2048
 # `python benchmarks/bench_stall.py --budgets 32 64 128 256`, benchmarks/results/
 # stall_cpu_20261124_{before,after}.json): longest step at budget 32 / 64 / 128 / 256 near the
 # end of the 8k prompt 0.49 / 0.70 / 1.27 / 2.17 s before, 0.32 / 0.48 / 0.89 / 1.62 s after.
-# 64 is the largest budget under ~0.5 s.
-CPU_MAX_NUM_BATCHED_TOKENS = 64
+# Through the server, as a streaming client sees it (quiet, server defaults otherwise:
+# `python benchmarks/bench_stall_server.py`, benchmarks/results/stall_server_cpu_*20261124.json):
+# the longest gap during the 8k prefill was 0.70 s at budget 64 (median 0.42 s, prefill 52 s)
+# and 0.48 s at budget 32 with --max-num-seqs 32 (median 0.24 s, prefill 63 s). So the CPU
+# defaults are 32 and 32 (the budget must cover one decode per running sequence).
+CPU_MAX_NUM_BATCHED_TOKENS = 32
+CPU_MAX_NUM_SEQS = 32
+GPU_MAX_NUM_SEQS = 64
 GAP_AT_CPU_DEFAULT = "0.48 s"
 GAP_AT_GPU_DEFAULT_ON_CPU = "21.8 s"
 
@@ -44,13 +50,15 @@ def add_arguments(p) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV pool size in blocks (default: sized from memory)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help=f"sequences running at once (default: {GPU_MAX_NUM_SEQS} on a GPU, "
+                   f"{CPU_MAX_NUM_SEQS} on the CPU, where each one's decode shares every step)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help=f"tokens per engine step (default: {GPU_MAX_NUM_BATCHED_TOKENS} on a GPU, "
                    f"{CPU_MAX_NUM_BATCHED_TOKENS} on the CPU, or --max-num-seqs if larger; on "
                    "the CPU one step's time is every other stream's stall: measured on 2 cores "
-                   f"while an 8k prompt prefills, {GAP_AT_CPU_DEFAULT} at "
-                   f"{CPU_MAX_NUM_BATCHED_TOKENS}, {GAP_AT_GPU_DEFAULT_ON_CPU} at "
+                   f"through the server while an 8k prompt prefills, {GAP_AT_CPU_DEFAULT} at "
+                   f"{CPU_MAX_NUM_BATCHED_TOKENS}, 0.70 s at 64, {GAP_AT_GPU_DEFAULT_ON_CPU} at "
                    f"{GPU_MAX_NUM_BATCHED_TOKENS})")
     p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
@@ -77,12 +85,15 @@ def run(args) -> int:
     model, tok = load_model(args.model, weights=args.weights, device=args.device)
     if tok is None:
         raise ValueError(f"{args.model} has no tokenizer; the server needs one")
+    on_gpu = model.device.type == "cuda"
+    seqs = (args.max_num_seqs if args.max_num_seqs is not None
+            else GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS)
     budget = args.max_num_batched_tokens
     if budget is None:
-        budget = (GPU_MAX_NUM_BATCHED_TOKENS if model.device.type == "cuda"
-                  else max(CPU_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs))  # each decodes
+        budget = (GPU_MAX_NUM_BATCHED_TOKENS if on_gpu
+                  else max(CPU_MAX_NUM_BATCHED_TOKENS, seqs))             # each decodes
     engine = LLMEngine(model, tok, block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
+                       max_num_seqs=seqs, max_num_batched_tokens=budget,
                        enable_chunked_prefill=not args.no_chunked_prefill,
                        enable_prefix_caching=not args.no_prefix_caching)
     usable, ctx = max_model_len(engine), model.config.max_position_embeddings
