@@ -311,39 +311,30 @@ def run_server(engine, model_name: str, sock: socket.socket, max_waiting: int = 
     make_server(app, drain_timeout, log_level).run(sockets=[sock])
 
 
-class BackgroundServer:
-    """The server in a thread of this process on a free loopback port (tests, the notebook).
+class BackgroundApp:
+    """Any FastAPI app served by uvicorn in a thread of this process on a free loopback port
+    (tests, notebooks): start() waits until it listens, stop() lets it drain, then closes."""
 
-        with BackgroundServer(engine, "smollm2-135m") as srv:
-            client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none")
-    """
-
-    def __init__(self, engine, model_name: str, host: str = "127.0.0.1", port: int = 0,
-                 max_waiting: int = 256, drain_timeout: float = 5.0, log_level: str = "warning",
-                 max_body_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
+                 drain_timeout: float = 5.0, log_level: str = "warning"):
         self.sock = bind_socket(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.app = build_app(engine, model_name, max_waiting=max_waiting,
-                             max_body_bytes=max_body_bytes)
-        self.server = make_server(self.app, drain_timeout, log_level)
+        self.app = app
+        self.server = make_server(app, drain_timeout, log_level)
         self._thread: Optional[threading.Thread] = None
 
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    @property
-    def aengine(self) -> AsyncEngine:
-        return self.app.state.aengine
-
-    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+    def start(self, timeout: float = 30.0):
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                        name="minillm-server", daemon=True)
+                                        name=f"minillm-{type(self).__name__}", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start; see its log above")
+                raise RuntimeError(f"the {type(self).__name__} did not start; see its log above")
             time.sleep(0.02)
         return self
 
@@ -361,5 +352,25 @@ class BackgroundServer:
         self.stop()
 
 
-__all__ = ["build_app", "run_server", "bind_socket", "make_server", "BackgroundServer",
+class BackgroundServer(BackgroundApp):
+    """The server in a thread of this process on a free loopback port (tests, the notebook).
+
+        with BackgroundServer(engine, "smollm2-135m") as srv:
+            client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="none")
+    """
+
+    def __init__(self, engine, model_name: str, host: str = "127.0.0.1", port: int = 0,
+                 max_waiting: int = 256, drain_timeout: float = 5.0, log_level: str = "warning",
+                 max_body_bytes: int = MAX_BODY_BYTES):
+        super().__init__(build_app(engine, model_name, max_waiting=max_waiting,
+                                   max_body_bytes=max_body_bytes), host, port, drain_timeout,
+                         log_level)
+
+    @property
+    def aengine(self) -> AsyncEngine:
+        return self.app.state.aengine
+
+
+__all__ = ["build_app", "run_server", "bind_socket", "make_server", "BackgroundApp",
+           "BackgroundServer",
            "BodySizeLimit", "InternalErrors", "MAX_BODY_BYTES", "chat_prompt_ids"]

@@ -210,14 +210,19 @@ def decode_worker(spec: WorkerSpec, port: int, from_prefill, outbox) -> None:
             engine.add_request(rid, ids + [first],
                                dataclasses.replace(p, max_tokens=p.max_tokens - 1, n=1))
         if engine.has_unfinished():
-            step = engine.step_outputs()
-            now = time.perf_counter()
-            for d in step.deltas:
-                outbox.put(("tokens", d.request_id, list(d.token_ids), now))
-            for out in step.finished:
-                outbox.put(("done", out.request_id, out.finish_reason, out.error, now,
-                            out.num_cached_tokens, out.metrics.num_preemptions))
+            _step_and_report(engine, outbox)
     dist.destroy_process_group()
+
+
+def _step_and_report(engine, outbox) -> None:
+    """One engine step; its new tokens and finished requests go to the driver."""
+    step = engine.step_outputs()
+    now = time.perf_counter()
+    for d in step.deltas:
+        outbox.put(("tokens", d.request_id, list(d.token_ids), now))
+    for out in step.finished:
+        outbox.put(("done", out.request_id, out.finish_reason, out.error, now,
+                    out.num_cached_tokens, out.metrics.num_preemptions))
 
 
 def colocated_worker(spec: WorkerSpec, inbox, outbox) -> None:
@@ -231,12 +236,7 @@ def colocated_worker(spec: WorkerSpec, inbox, outbox) -> None:
         if msg is not None:                                    # ("req", rid, ids, params)
             engine.add_request(msg[1], msg[2], msg[3])
         if engine.has_unfinished():
-            step = engine.step_outputs()
-            now = time.perf_counter()
-            for d in step.deltas:
-                outbox.put(("tokens", d.request_id, list(d.token_ids), now))
-            for out in step.finished:
-                outbox.put(("done", out.request_id, out.finish_reason, out.error, now))
+            _step_and_report(engine, outbox)
 
 
 # --- the driver ----------------------------------------------------------------------------------

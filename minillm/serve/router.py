@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 from typing import Optional, Sequence
 
 import anyio
@@ -47,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
     generate_latest
 from starlette.concurrency import run_in_threadpool
 
+from .api_server import MAX_BODY_BYTES, BackgroundApp, BodySizeLimit
 from .protocol import error_body
 from .routing import Backend, affinity_key, make_policy
 
@@ -317,7 +317,6 @@ class Router:
 
 def build_router(router: Router, max_body_bytes: Optional[int] = None) -> FastAPI:
     """The FastAPI app of `router`: the OpenAI routes relayed, /health, /metrics, /router/state."""
-    from .api_server import MAX_BODY_BYTES, BodySizeLimit
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -361,46 +360,13 @@ def build_router(router: Router, max_body_bytes: Optional[int] = None) -> FastAP
     return app
 
 
-class BackgroundRouter:
-    """The router in a thread of this process on a free loopback port (tests, the notebook)."""
+class BackgroundRouter(BackgroundApp):
+    """The router in a thread of this process on a free loopback port (tests, notebooks)."""
 
     def __init__(self, router: Router, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning"):
-        from .api_server import bind_socket, make_server
-        self.sock = bind_socket(host, port)
-        self.host, self.port = host, self.sock.getsockname()[1]
+        super().__init__(build_router(router), host, port, 1.0, log_level)
         self.router = router
-        self.server = make_server(build_router(router), 1.0, log_level)
-        self._thread = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout: float = 30.0) -> "BackgroundRouter":
-        import threading
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
-                                        name="minillm-router", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self.server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the router did not start; see its log above")
-            time.sleep(0.02)
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self._thread is not None:
-            self.server.should_exit = True
-            self._thread.join(timeout)
-            self._thread = None
-        self.sock.close()
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 __all__ = ["Router", "build_router", "check_backend", "BackgroundRouter", "RouterMetrics"]
