@@ -13,12 +13,11 @@ import time
 import httpx
 import openai
 import pytest
-import torch
+from tiny import tiny_model
 
-from minillm import configs
 from minillm.cache.prefix import hash_block_tokens
 from minillm.engine import LLMEngine
-from minillm.loader import _bundled_tokenizer, random_model
+from minillm.loader import _bundled_tokenizer
 from minillm.serve.api_server import BackgroundServer
 from minillm.serve.router import BackgroundRouter, Router, check_backend
 from minillm.serve.routing import (Backend, LeastOutstanding, PrefixAffinity, RoundRobin,
@@ -115,10 +114,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = configs.get("smollm2-135m").with_(
-        name="tiny", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    return random_model(cfg, "cpu", torch.float32, seed=0, std=0.3)
+    return tiny_model(512)
 
 
 @pytest.fixture()

@@ -12,11 +12,12 @@ import re
 
 import jsonschema
 import pytest
+from tiny import tiny_model
 import torch
 
-from minillm import SamplingParams, StructuredOutputsParams, configs
+from minillm import SamplingParams, StructuredOutputsParams
 from minillm.engine import LLM
-from minillm.loader import _bundled_tokenizer, random_model
+from minillm.loader import _bundled_tokenizer
 from minillm.sampling import apply_penalties, min_p_filter, probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -29,10 +30,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = configs.get("smollm2-135m").with_(
-        name="tiny", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=256)
-    return random_model(cfg, "cpu", torch.float32, seed=0, std=0.3)
+    return tiny_model()
 
 
 def make_llm(model, tok, **kw):

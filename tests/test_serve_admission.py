@@ -23,12 +23,11 @@ import time
 import httpx
 import openai
 import pytest
-import torch
+from tiny import tiny_model
 
 import minillm
-from minillm import configs
 from minillm.engine import LLMEngine
-from minillm.loader import _bundled_tokenizer, random_model
+from minillm.loader import _bundled_tokenizer
 from minillm.serve.api_server import BackgroundServer
 
 MODEL = "tiny-test"
@@ -42,10 +41,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model():
-    cfg = configs.get("smollm2-135m").with_(
-        name="tiny", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
-        num_kv_heads=2, head_dim=16, max_position_embeddings=256)
-    return random_model(cfg, "cpu", torch.float32, seed=0, std=0.3)
+    return tiny_model()
 
 
 def slow_steps(engine, seconds: float):
