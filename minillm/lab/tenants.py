@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from minillm.cache.prefix import num_cacheable_blocks
+
 
 @dataclass(frozen=True)
 class TenantRequest:
@@ -65,15 +67,18 @@ def multi_tenant_trace(num_tenants: int = 4, num_sessions: int = 16, turns: int 
 
 def ideal_hit_rate(trace, block_size: int = 16) -> float:
     """The prompt-token hit rate if every request met all earlier requests' prefixes in one
-    cache that never evicts: what one big replica, or perfect affinity, could reach."""
+    cache that never evicts: what one big replica, or perfect affinity, could reach.
+
+    A hit covers full blocks and never the prompt's last token (the engine's rule,
+    `cache.prefix.num_cacheable_blocks`), but once a prompt is computed EVERY full block of it is
+    cached, the last one included: turn 2 of a session hits turn 1's whole prompt."""
     seen: set = set()
     hit = total = 0
     for r in trace:
         ids = r.prompt_ids
-        full = (len(ids) - 1) // block_size                    # never the last token
-        keys = [ids[:(b + 1) * block_size] for b in range(full)]
+        keys = [ids[:(b + 1) * block_size] for b in range(len(ids) // block_size)]
         n = 0
-        while n < len(keys) and keys[n] in seen:
+        while n < num_cacheable_blocks(len(ids), block_size) and keys[n] in seen:
             n += 1
         hit += n * block_size
         total += len(ids)
