@@ -110,9 +110,11 @@ def main(argv=None):
             llm.generate([ids for _, ids, _ in warm], SamplingParams(temperature=0,
                                                                       max_tokens=4))
             best = 0.0
-            for rate in args.rates:
+            for i, rate in enumerate(args.rates):
+                # fresh prompts at every rate: the engines keep their prefix caches between
+                # rates, and the same prompts again would be served from the cache
                 trace = mixed_trace(args.requests, rate, args.long_share, args.short_len,
-                                    args.long_len, args.max_tokens, args.seed)
+                                    args.long_len, args.max_tokens, args.seed + 1000 * (i + 1))
                 row = {"system": name, "rate": rate,
                        **summarize(llm.run_trace(trace), args.ttft_slo, args.tpot_slo),
                        "load_average_after": os.getloadavg()}
