@@ -277,3 +277,12 @@ def test_fp8_kernels_compile_for_h100_without_spills():
                                            "_paged_prefill_kernel", "_store_kv_kernel"}
     for r in rows:
         assert r["kv_dtype"] == "float8_e4m3fn" and r["stack_bytes"] == 0, r
+
+
+def test_paged_log_probs_auto_equal_the_plain_forward(model):
+    """bench_quant's KV quality reference (the paged path, fp32 pool) is the model itself."""
+    from minillm.lab import quant_quality as qq
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3))
+    plain, paged_auto = qq.log_probs(model, ids), qq.paged_log_probs(model, ids, "auto")
+    torch.testing.assert_close(paged_auto, plain, atol=1e-4, rtol=1e-4)
+    assert (qq.paged_log_probs(model, ids, "fp8") - plain).abs().max() > 1e-3

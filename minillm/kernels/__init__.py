@@ -77,7 +77,7 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=Tr
         checks.require(t.dim() == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_dim),
                         f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the "
                         f"cache, got shape {tuple(t.shape)}")
-        checks.check_dtype_for_cache(name, t, k_cache)
+        checks.check_dtype_for_cache(name, t, k_cache, it="it")
     checks.check_kv_scales(k_scale, v_scale, k_cache)
     checks.require(v.shape == k.shape, f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
     checks.check_int_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))

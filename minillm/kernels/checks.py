@@ -75,7 +75,8 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str = "q") -> tupl
     return num_heads, num_heads // num_kv_heads
 
 
-def check_dtype_for_cache(name: str, t: torch.Tensor, k_cache: torch.Tensor) -> None:
+def check_dtype_for_cache(name: str, t: torch.Tensor, k_cache: torch.Tensor,
+                          it: str = "") -> None:
     """A float cache takes tensors of its own dtype; an fp8 cache takes any float dtype (it
     quantizes on store and dequantizes on read)."""
     if k_cache.dtype in FP8_DTYPES:
@@ -83,7 +84,8 @@ def check_dtype_for_cache(name: str, t: torch.Tensor, k_cache: torch.Tensor) -> 
                                           "float16 or bfloat16 keys, values and queries")
     else:
         require(t.dtype == k_cache.dtype, f"{name} is {t.dtype} but the cache is "
-                                          f"{k_cache.dtype}; cast {name} with .to({k_cache.dtype})")
+                                          f"{k_cache.dtype}; cast {it or name} with "
+                                          f".to({k_cache.dtype})")
 
 
 def check_kv_scales(k_scale, v_scale, k_cache: torch.Tensor) -> None:
