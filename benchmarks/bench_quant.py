@@ -2,6 +2,8 @@
 
     python benchmarks/bench_quant.py speed   --threads 2    # decode step time, batch 1/4/16
     python benchmarks/bench_quant.py quality --threads 2    # ppl, KL, agreement per format
+    python benchmarks/bench_quant.py kv      --threads 2    # fp8 KV cache: quality, capacity
+    python benchmarks/bench_quant.py engine  --threads 2    # engine vs transformers, 16 requests
 
 speed: the engine (minillm.LLM, greedy, ignore_eos) decodes `--max-tokens` tokens for B prompts
 of 16 tokens at B = 1, 4, 16, with the bundled SmolLM2-135M in fp32, bf16, int8 and int4 (RTN,
@@ -15,6 +17,15 @@ the same 16 requests.
 
 quality: minillm.lab.quant_quality's table against the fp32 model on the package's README text:
 bf16, int8, int4 RTN and int4 GPTQ (calibrated on other course text) at groups 32 and 64.
+
+kv: the fp8 KV cache (kv_cache_dtype="fp8", e4m3, and "fp8_e5m2") against the model's own fp32
+pool, both through the paged cache and the engine (minillm.lab.quant_quality.kv_quality_table),
+and the pool's bytes per block read from the engine's cache tensors (fp32, bf16, fp8).
+
+engine: the engine at 16 concurrent requests (greedy, 32 tokens, 16-token prompts) in several
+weight formats, the LM head quantized or not, against transformers' static `generate` (fp32),
+side by side, best of `--repeats` interleaved rounds; and a torch.profiler split of one decode
+step (GEMM vs everything else) for the fp32, int8 and fastest variants.
 
 Each writes JSON to benchmarks/results/ (device, date, command, load average, versions).
 """
@@ -34,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minillm  # noqa: E402
+import minillm.engine  # noqa: E402
 from minillm import SamplingParams  # noqa: E402
 from minillm.quant import quantize_model, weight_bytes  # noqa: E402
 from minillm.roofline import best_time, measure_bandwidth  # noqa: E402
@@ -135,13 +147,92 @@ def quality(args) -> dict:
             "weight_bytes": {k: weight_bytes(m) for k, m in variants.items()}}
 
 
+def kv(args) -> dict:
+    from minillm.lab import quant_quality as qq
+    model, tok = build("fp32")
+    table = qq.kv_quality_table(model, tok, ("fp8", "fp8_e5m2"),
+                                max_new_tokens=args.max_tokens)
+    per_block = {}
+    for name, dtype, kv_dtype in (("fp32", torch.float32, "auto"),
+                                  ("bf16", torch.bfloat16, "auto"),
+                                  ("fp8_e4m3", torch.float32, "fp8")):
+        eng = minillm.engine.LLMEngine(model.to(dtype), tok, num_kv_blocks=64,
+                                       kv_cache_dtype=kv_dtype)
+        per_block[name] = eng.runner.cache.nbytes // 64
+    model.to(torch.float32)
+    return {"table": {k: v.row() for k, v in table.items()},
+            "reference": "the same fp32 model with its own fp32 KV pool (kv_cache_dtype='auto')",
+            "kv_scales": "per tensor, k_scale = v_scale = 1.0 (vLLM's default uncalibrated)",
+            "eval_text": [f"minillm/{f}" for f in qq.EVAL_FILES],
+            "kv_bytes_per_block_16_tokens": per_block,
+            "blocks_per_gb": {k: 10**9 // v for k, v in per_block.items()}}
+
+
+ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM head quantized)
+    "fp32": (torch.float32, None, False),
+    "bf16": (torch.bfloat16, None, False),
+    "int8": (torch.float32, "int8", False),
+    "int8_lm_head": (torch.float32, "int8", True),
+    "bf16_int8_lm_head": (torch.bfloat16, "int8", True),
+    "int4_lm_head": (torch.float32, "int4", True),
+    "bf16_int4_lm_head": (torch.bfloat16, "int4", True),
+}
+
+
+def build_variant(name: str):
+    dtype, fmt, lm_head = ENGINE_VARIANTS[name]
+    model, tok = minillm.load_model("smollm2-135m")
+    model = model.to(dtype)
+    if fmt is not None:
+        if lm_head:                      # tied to the embedding: give the head its own copy
+            head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features,
+                                   bias=False, dtype=dtype)
+            head.weight.data.copy_(model.lm_head.weight.data)
+            model.lm_head = head
+        quantize_model(model, fmt, quantize_lm_head=lm_head)
+    return model.eval(), tok
+
+
+def engine(args) -> dict:
+    from minillm.lab.profiling import decode_engine, profile_steps
+    n = max(args.batches)
+    models = {name: build_variant(name) for name in ENGINE_VARIANTS}
+    runs = {name: [] for name in models}
+    hf = []
+    for m, tok in models.values():
+        decode_run(m, tok, 1, 4)                                         # warm-up
+    for _ in range(args.repeats):                                        # interleaved rounds
+        hf.append(hf_static(n, args.max_tokens))
+        for name, (m, tok) in models.items():
+            runs[name].append(decode_run(m, tok, n, args.max_tokens))
+            print(name, runs[name][-1], flush=True)
+    hf_best = max(hf, key=lambda r: r["tokens_per_s"])
+    rows = {}
+    for name, rs in runs.items():
+        best = min(rs, key=lambda r: r["wall_s"])
+        rows[name] = dict(best, tokens_per_s=best["tokens"] / best["wall_s"],
+                          vs_hf_static=best["tokens"] / best["wall_s"] / hf_best["tokens_per_s"],
+                          weight_bytes=weight_bytes(models[name][0]),
+                          walls=[r["wall_s"] for r in rs])
+    fastest = max(rows, key=lambda k: rows[k]["tokens_per_s"])
+    profiles = {}
+    for name in dict.fromkeys(("fp32", "int8", fastest)):
+        p = profile_steps(decode_engine(models[name][0], n, 16, max_new_tokens=64))
+        profiles[name] = {"step_ms": p.step_ms, "gemm_ms": p.gemm_ms, "other_ms": p.other_ms,
+                          "ops_per_step": p.ops_per_step, "top_ops": p.rows[:8]}
+    return {"batch": n, "hf_static_fp32": hf_best, "hf_walls": [r["wall_s"] for r in hf],
+            "engine": rows, "fastest": fastest, "profiles": profiles,
+            "target": "engine >= 2x transformers' static generate at 16 concurrent requests"}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("speed", "quality"))
+    p.add_argument("part", choices=("speed", "quality", "kv", "engine"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64])
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -153,7 +244,7 @@ def main(argv=None):
               "load_before": os.getloadavg()[0],
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__}}
-    record.update(speed(args) if args.part == "speed" else quality(args))
+    record.update({"speed": speed, "quality": quality, "kv": kv, "engine": engine}[args.part](args))
     record["load_after"] = os.getloadavg()[0]
     out = Path(args.out) if args.out else RESULTS / f"quant_{args.part}_cpu_{now:%Y%m%d}.json"
     out.write_text(json.dumps(record, indent=1))

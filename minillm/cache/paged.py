@@ -18,6 +18,11 @@ copy-on-write (`copy_blocks`) and swaps blocks to and from a CPU pool.
 
 `SimplePagedKVCache(cfg, num_blocks, block_size, batch_size=B)` is a drop-in for chapter 01's
 ContiguousKVCache: B sequences that advance together, no metadata to build by hand.
+
+`kv_cache_dtype="fp8"` (chapter 09; vLLM's name, e4m3) keeps one byte per value: store_kv
+divides by a per-tensor scale (k_scale, v_scale, 1.0 by default as in vLLM without calibration)
+and the attention kernels multiply back; see `kernels/kv_quant.py`. "auto" keeps the model's
+dtype.
 """
 from __future__ import annotations
 
@@ -30,6 +35,41 @@ import torch
 from .. import kernels
 from ..configs import ModelConfig
 from .blocks import BlockManager
+
+# kv_cache_dtype -> the cache tensors' dtype ("auto": the model's own)
+KV_CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
+
+
+def fp8_supported() -> bool:
+    """This torch build has the float8 dtypes the fp8 cache stores."""
+    return hasattr(torch, "float8_e4m3fn") and hasattr(torch, "float8_e5m2")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype, model_dtype: torch.dtype,
+                           device=None) -> torch.dtype:
+    """"auto" (or None) -> model_dtype; "fp8" / "fp8_e4m3" / "fp8_e5m2" -> a float8 dtype.
+    ValueError naming the fix for anything else, for fp8 where torch has no float8, and for
+    e4m3 on a GPU older than compute capability 8.9 (Triton compiles e4m3 for Ada and Hopper
+    only; e5m2 also compiles for Ampere)."""
+    if kv_cache_dtype in (None, "auto"):
+        return model_dtype
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}: use 'auto' (the model's "
+                         f"dtype) or one of {', '.join(map(repr, KV_CACHE_DTYPES))}")
+    if not fp8_supported():
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs torch.float8_e4m3fn / "
+                         f"float8_e5m2, which this torch build ({torch.__version__}) lacks: "
+                         "install torch >= 2.1, or use kv_cache_dtype='auto'")
+    dtype = getattr(torch, KV_CACHE_DTYPES[kv_cache_dtype])
+    if (dtype == torch.float8_e4m3fn and device is not None
+            and torch.device(device).type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} (e4m3) needs a GPU of compute "
+                         f"capability >= 8.9 (Ada, Hopper) for the Triton kernels; this one is "
+                         f"{torch.cuda.get_device_capability(device)}: use "
+                         "kv_cache_dtype='fp8_e5m2' or 'auto'")
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -97,7 +137,9 @@ def build_step_metadata(spans, block_tables=None, block_size: Optional[int] = No
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int,
                  dtype: torch.dtype = torch.float32, device="cpu", num_cpu_blocks: int = 0,
-                 block_manager: Optional[BlockManager] = None, impl: Optional[str] = None):
+                 block_manager: Optional[BlockManager] = None, impl: Optional[str] = None,
+                 kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0):
+        dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, device)
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)   # [L, num_blocks, bs, KVH, D]
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -110,6 +152,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        kernels.checks.check_kv_scales(k_scale, v_scale, self.k)
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)   # fp8: stored = x / scale
         self.impl = impl                                  # None: Triton on CUDA, reference on CPU
         cpu_shape = (cfg.num_layers, num_cpu_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         pin = torch.device(device).type == "cuda"
@@ -173,20 +217,24 @@ class PagedKVCache:
             # others reuse one plan (store slots, key slots, masks) of the batched CPU path.
             if self._plan is None:
                 self._plan = kernels.batched.plan_store(self._make_plan(meta), meta.slot_mapping)
-            kernels.batched.store_kv(self._plan, k_flat, v_flat, k_cache, v_cache)
-            out = kernels.batched.run(self._plan, q_flat, k_cache, v_cache, self.scale)
+            kv_scales = (self.k_scale, self.v_scale)
+            kernels.batched.store_kv(self._plan, k_flat, v_flat, k_cache, v_cache, *kv_scales)
+            out = kernels.batched.run(self._plan, q_flat, k_cache, v_cache, self.scale,
+                                      *kv_scales)
             return out.view(q.shape)                              # [1, T, H, D]
         check, self._checked = not self._checked, True            # check the tables once per step
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
         kernels.store_kv(k_flat, v_flat, k_cache, v_cache, meta.slot_mapping,
-                         impl=self.impl, check_values=check)
+                         impl=self.impl, check_values=check, **scales)
         if meta.is_decode_only:
             out = kernels.paged_decode_attention(q_flat, k_cache, v_cache, meta.block_tables,
                                                  meta.seq_lens, self.scale, impl=self.impl,
-                                                 check_values=check)
+                                                 check_values=check, **scales)
         else:
             out = kernels.paged_prefill_attention(q_flat, k_cache, v_cache, meta.cu_seqlens_q,
                                                   meta.seq_lens, meta.block_tables,
-                                                  self.scale, impl=self.impl, check_values=check)
+                                                  self.scale, impl=self.impl, check_values=check,
+                                                  **scales)
         return out.view(q.shape)                                  # [1, T, H, D]
 
     def _make_plan(self, meta: StepMetadata):

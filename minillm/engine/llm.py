@@ -27,6 +27,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from ..cache.paged import resolve_kv_cache_dtype
 from ..loader import load_model, resolve_device, resolve_dtype
 from ..sampling import SamplingParams
 from .llm_engine import LLMEngine
@@ -68,7 +69,9 @@ class LLM:
     `minillm.engine.model_runner.CUDA_KV_FRACTION` and `CPU_KV_BYTES`). dtype: None or "auto"
     (bf16 or fp16 on a GPU, fp32 on a CPU), or e.g. "bfloat16": on a CPU with native bf16
     (AVX512_BF16 or AMX) that halves the bytes every step reads; fp32 stays the CPU default
-    because it is what the tests compare with transformers."""
+    because it is what the tests compare with transformers. kv_cache_dtype: "auto" (the
+    model's dtype) or "fp8" (e4m3, one byte per value: twice bf16's tokens per GB; also
+    "fp8_e4m3", "fp8_e5m2"), vLLM's names."""
 
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
@@ -76,13 +79,15 @@ class LLM:
                  enable_prefix_caching: bool = True, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
                  device=None, dtype=None, clock=None, speculative_config=None,
-                 quantization: Optional[str] = None, kv_transfer_config=None):
+                 quantization: Optional[str] = None, kv_transfer_config=None,
+                 kv_cache_dtype: str = "auto"):
         if speculative_config is not None:   # fail before loading anything
             from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
         if quantization is not None:         # chapter 09; checked before loading anything
             from ..quant import check_quantization
             check_quantization(quantization)
+        resolve_kv_cache_dtype(kv_cache_dtype, torch.float32)   # "auto" | "fp8": checked early
         if isinstance(model, tuple):
             model, tokenizer = model
         elif isinstance(model, (str, bytes)) or hasattr(model, "__fspath__"):
@@ -107,7 +112,8 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching,
                                 scheduling=scheduling, preemption=preemption, clock=clock,
                                 speculative_config=speculative_config,
-                                kv_transfer_config=kv_transfer_config)
+                                kv_transfer_config=kv_transfer_config,
+                                kv_cache_dtype=kv_cache_dtype)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],

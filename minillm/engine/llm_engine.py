@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 
 from ..cache.blocks import BlockManager, BlockPool, NoKVConnector
+from ..cache.paged import resolve_kv_cache_dtype
 from ..cache.prefix import PrefixCacheStats
 from ..generate import Prompt, check_context_room, prompt_token_ids, stop_reason
 from ..metrics import default_clock
@@ -87,9 +88,10 @@ class LLMEngine:
                  scheduling: str = "continuous", preemption: str = "recompute",
                  clock=None, max_step_stats: int = 100_000,
                  speculative_config: Optional[dict] = None,
-                 kv_transfer_config: Optional[dict] = None):
+                 kv_transfer_config: Optional[dict] = None, kv_cache_dtype: str = "auto"):
         if speculative_config is not None:       # chapter 07; validated before anything else
             parse_speculative_config(speculative_config)
+        resolve_kv_cache_dtype(kv_cache_dtype, model.dtype, model.device)   # ch. 09: "fp8"
         if int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
         self.model = model.eval()
@@ -97,7 +99,8 @@ class LLMEngine:
         self.config = model.config
         self.clock = clock or default_clock
         if num_kv_blocks is None:
-            num_kv_blocks = kv_blocks_for_memory(model, block_size, max_num_seqs)
+            num_kv_blocks = kv_blocks_for_memory(model, block_size, max_num_seqs,
+                                                 kv_cache_dtype)
         if int(num_kv_blocks) != num_kv_blocks or num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be a positive integer, got {num_kv_blocks}")
         num_cpu_blocks = self._check_cpu_blocks(num_cpu_blocks, num_kv_blocks, preemption)
@@ -114,7 +117,8 @@ class LLMEngine:
                                    kv_connector=self.kv_connector)
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
-                                  num_cpu_blocks, needs_hidden=self.proposer.needs_hidden)
+                                  num_cpu_blocks, needs_hidden=self.proposer.needs_hidden,
+                                  kv_cache_dtype=kv_cache_dtype)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else self.config.eos_token_id
         self.groups: dict = {}                   # request_id -> [Request], sample 0 first

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.paged import PagedKVCache, build_step_metadata
+from ..cache.paged import PagedKVCache, build_step_metadata, resolve_kv_cache_dtype
 from ..kvmath import kv_bytes_per_token
 from ..model import capture_hidden
 from ..sampling import apply_penalties, sample, token_logprobs
@@ -43,10 +43,13 @@ CUDA_KV_FRACTION = 0.5          # of the GPU memory still free after the weights
 CPU_KV_BYTES = 256 * 2**20      # a fixed, modest 256 MiB on the CPU
 
 
-def kv_blocks_for_memory(model, block_size: int, max_num_seqs: int) -> int:
-    """How many KV blocks fit the memory budget (never more than max_num_seqs full contexts)."""
+def kv_blocks_for_memory(model, block_size: int, max_num_seqs: int,
+                         kv_cache_dtype: str = "auto") -> int:
+    """How many KV blocks fit the memory budget (never more than max_num_seqs full contexts).
+    An fp8 cache (kv_cache_dtype) costs one byte per value, so twice bf16's blocks fit."""
     cfg = model.config
-    per_block = kv_bytes_per_token(cfg, dtype=model.dtype) * block_size
+    kv_dtype = resolve_kv_cache_dtype(kv_cache_dtype, model.dtype)
+    per_block = kv_bytes_per_token(cfg, dtype=kv_dtype) * block_size
     if model.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(model.device)
         budget = free * CUDA_KV_FRACTION
@@ -82,7 +85,8 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model, block_manager, num_blocks: int, block_size: int,
-                 num_cpu_blocks: int = 0, needs_hidden: bool = False):
+                 num_cpu_blocks: int = 0, needs_hidden: bool = False,
+                 kv_cache_dtype: str = "auto"):
         self.model = model
         self.bm = block_manager
         self.device = model.device
@@ -90,7 +94,7 @@ class ModelRunner:
         self.needs_hidden = needs_hidden
         self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype,
                                   device=model.device, num_cpu_blocks=num_cpu_blocks,
-                                  block_manager=block_manager)
+                                  block_manager=block_manager, kv_cache_dtype=kv_cache_dtype)
 
     # --- one step ------------------------------------------------------------------------------
     def execute(self, sched) -> ModelRunnerOutput:

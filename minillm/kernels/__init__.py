@@ -13,7 +13,8 @@ TRITON_INTERPRET=1 set before this package first imports a kernel (Triton decide
 definition time whether it compiles or interprets). The Triton modules are imported only when
 first used, so the references work where Triton is not installed.
 
-Files: reference.py (the twins), batched.py (the fast CPU path), store_kv_kernel.py,
+Files: reference.py (the twins), batched.py (the fast CPU path), kv_quant.py (fp8 cache
+conversions), store_kv_kernel.py,
 paged_decode.py (single-pass and split-KV decode, and the rule that picks one), paged_prefill.py,
 checks.py (input checks), compile_check.py (compile the kernels for a GPU on a machine without one).
 
@@ -24,6 +25,9 @@ Keyword-only extras (not part of the vLLM-style signature):
                   on CUDA); False: trust the caller, no sync (hot loops, CUDA graphs)
     split_kv, partition_size   (decode) force flash-decoding on/off and its slice length
     max_query_len              (prefill) longest q_len, if the caller knows it on the host
+    k_scale, v_scale           an fp8 cache's per-tensor scales (chapter 09, `kv_quant.py`):
+                               a float8_e4m3fn / float8_e5m2 pool stores x / scale in one
+                               byte; store_kv quantizes, the attention paths dequantize
 """
 from __future__ import annotations
 
@@ -59,11 +63,13 @@ def _use_triton(impl, device: torch.device) -> bool:
     return choose_impl(impl, device) == "triton"
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=True):
+def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=True,
+             k_scale=1.0, v_scale=1.0):
     """Write k, v [T, KVH, D] into k_cache, v_cache [num_blocks, block_size, KVH, D] in place.
 
     slot_mapping [T] (int32 or int64): token t goes to block slot // block_size, row
-    slot % block_size; a slot of -1 skips the token (padding, vLLM convention).
+    slot % block_size; a slot of -1 skips the token (padding, vLLM convention). An fp8 cache
+    stores k / k_scale and v / v_scale (kv_quant.py).
     """
     checks.check_cache(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -71,9 +77,8 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=Tr
         checks.require(t.dim() == 3 and tuple(t.shape[1:]) == (num_kv_heads, head_dim),
                         f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the "
                         f"cache, got shape {tuple(t.shape)}")
-        checks.require(t.dtype == k_cache.dtype,
-                        f"{name} is {t.dtype} but the cache is {k_cache.dtype}; cast it with "
-                        f".to({k_cache.dtype})")
+        checks.check_dtype_for_cache(name, t, k_cache, it="it")
+    checks.check_kv_scales(k_scale, v_scale, k_cache)
     checks.require(v.shape == k.shape, f"k shape {tuple(k.shape)} != v shape {tuple(v.shape)}")
     checks.check_int_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
     checks.require(slot_mapping.shape[0] == k.shape[0],
@@ -88,9 +93,9 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, *, impl=None, check_values=Tr
         })
     if _use_triton(impl, k_cache.device):
         from .store_kv_kernel import store_kv_triton
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping, float(k_scale), float(v_scale))
     else:
-        reference.store_kv(k, v, k_cache, v_cache, slot_mapping)
+        reference.store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def _check_tables(block_tables, seq_lens, batch, device):
@@ -103,17 +108,20 @@ def _check_tables(block_tables, seq_lens, batch, device):
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, impl=None,
-                           check_values=True, split_kv=None, partition_size=None):
+                           check_values=True, split_kv=None, partition_size=None,
+                           k_scale=1.0, v_scale=1.0):
     """Decode attention over a paged cache: q [B, H, D] -> out [B, H, D].
 
     block_tables [B, max_blocks] int32; seq_lens [B] int32 counts each sequence's keys, the
-    current token included (its K/V must already be stored).
+    current token included (its K/V must already be stored). k_scale / v_scale: an fp8
+    cache's per-tensor scales (stored x = x / scale).
     """
     checks.check_cache(k_cache, v_cache)
     checks.require(q.dim() == 3, f"q must be [batch, num_heads, head_dim], got shape "
                                   f"{tuple(q.shape)}")
     checks.check_query(q, k_cache)
     checks.check_scale(scale)
+    checks.check_kv_scales(k_scale, v_scale, k_cache)
     _check_tables(block_tables, seq_lens, q.shape[0], k_cache.device)
     checks.check_same_device(k_cache.device, q=q)
     if check_values and q.shape[0]:
@@ -122,13 +130,16 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     if chosen == "triton":
         from .paged_decode import paged_decode_triton
         return paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, float(scale),
-                                   split_kv=split_kv, partition_size=partition_size)
+                                   split_kv=split_kv, partition_size=partition_size,
+                                   k_scale=float(k_scale), v_scale=float(v_scale))
     twin = batched if chosen == "torch" else reference
-    return twin.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return twin.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                       k_scale, v_scale)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, *,
-                            impl=None, check_values=True, max_query_len=None):
+                            impl=None, check_values=True, max_query_len=None, k_scale=1.0,
+                            v_scale=1.0):
     """Causal attention for ragged query chunks over a paged cache: q [T, H, D] -> [T, H, D].
 
     Sequence b owns q rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] ([B + 1] int32); they are its
@@ -139,6 +150,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
                                   f"{tuple(q.shape)}")
     checks.check_query(q, k_cache)
     checks.check_scale(scale)
+    checks.check_kv_scales(k_scale, v_scale, k_cache)
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     _check_tables(block_tables, seq_lens, batch, k_cache.device)
     checks.check_int_tensor("cu_seqlens_q", cu_seqlens_q, 1)
@@ -170,7 +182,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
     if chosen == "triton":
         from .paged_prefill import paged_prefill_triton
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                                    float(scale), max_query_len=max_query_len)
+                                    float(scale), max_query_len=max_query_len,
+                                    k_scale=float(k_scale), v_scale=float(v_scale))
     twin = batched if chosen == "torch" else reference
     return twin.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
-                                        block_tables, scale)
+                                        block_tables, scale, k_scale, v_scale)

@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .kv_quant import as_bytes, quantize
+
 
 @dataclass
 class Group:
@@ -127,13 +129,16 @@ def plan_store(plan: Plan, slot_mapping) -> Plan:
     return plan
 
 
-def store_kv(plan: Plan, k, v, k_cache, v_cache) -> None:
-    """k, v [T, KVH, D] into their slots (plan_store): one index_copy_ per pool."""
+def store_kv(plan: Plan, k, v, k_cache, v_cache, k_scale=1.0, v_scale=1.0) -> None:
+    """k, v [T, KVH, D] into their slots (plan_store): one index_copy_ per pool. An fp8 pool
+    gets k / k_scale, v / v_scale in fp8, copied as bytes."""
     if plan.keep is not None:
         k, v = k[plan.keep], v[plan.keep]
     flat = (-1,) + tuple(k_cache.shape[2:])
-    k_cache.view(flat).index_copy_(0, plan.slots, k.to(k_cache.dtype))
-    v_cache.view(flat).index_copy_(0, plan.slots, v.to(v_cache.dtype))
+    as_bytes(k_cache).view(flat).index_copy_(0, plan.slots,
+                                             as_bytes(quantize(k, k_cache.dtype, k_scale)))
+    as_bytes(v_cache).view(flat).index_copy_(0, plan.slots,
+                                             as_bytes(quantize(v, v_cache.dtype, v_scale)))
 
 
 def _keys(cache, keys):
@@ -145,9 +150,10 @@ def _keys(cache, keys):
     return flat.index_select(0, keys.flatten()).view(G, L, *flat.shape[1:]).transpose(1, 2)
 
 
-def run(plan: Plan, q, k_cache, v_cache, scale):
-    """q [T, H, D] (the rows the plan was made for) -> out [T, H, D]."""
-    out = None
+def run(plan: Plan, q, k_cache, v_cache, scale, k_scale=1.0, v_scale=1.0):
+    """q [T, H, D] (the rows the plan was made for) -> out [T, H, D]. An fp8 pool's k_scale
+    joins the softmax scale and its v_scale multiplies the output (see kv_quant.py)."""
+    out, scale = None, scale * k_scale
     for g in plan.groups:
         # in float32, like the reference: torch's CPU attention in bf16 ran 5x slower than in
         # fp32 at 16-64 sequences, and the upcast copies are small next to the weights
@@ -156,7 +162,8 @@ def run(plan: Plan, q, k_cache, v_cache, scale):
         qg = q[:, None] if g.q_index is None else q[g.q_index]         # [G, Tq, H, D]
         o = F.scaled_dot_product_attention(
             qg.transpose(1, 2).float(), k, v, attn_mask=g.visible, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2).to(q.dtype)   # [G, Tq, H, D]
+            enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)                # [G, Tq, H, D]
+        o = (o * v_scale if v_scale != 1.0 else o).to(q.dtype)
         if g.q_index is None:                                          # decodes, rows in order
             return o.reshape(q.shape)
         if out is None:
@@ -168,13 +175,16 @@ def run(plan: Plan, q, k_cache, v_cache, scale):
     return torch.empty_like(q) if out is None else out
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=1.0,
+                           v_scale=1.0):
     """q [B, H, D], one query per sequence at position seq_len - 1 -> out [B, H, D]."""
-    return run(plan_decode(block_tables, seq_lens, k_cache.shape[1]), q, k_cache, v_cache, scale)
+    return run(plan_decode(block_tables, seq_lens, k_cache.shape[1]), q, k_cache, v_cache, scale,
+               k_scale, v_scale)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                            k_scale=1.0, v_scale=1.0):
     """Ragged causal queries, q [T, H, D] (sequence b owns rows cu[b]:cu[b + 1], its last
     q_len tokens) -> out [T, H, D]."""
     plan = plan_prefill(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
-    return run(plan, q, k_cache, v_cache, scale)
+    return run(plan, q, k_cache, v_cache, scale, k_scale, v_scale)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)     # a quantized cache (chapter 09)
 
 
 def require(cond: bool, message: str) -> None:
@@ -33,8 +34,9 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     require(v_cache.shape == k_cache.shape,
              f"v_cache shape {tuple(v_cache.shape)} differs from k_cache shape "
              f"{tuple(k_cache.shape)}; allocate both with the same shape")
-    require(k_cache.dtype in FLOAT_DTYPES,
-             f"cache dtype {k_cache.dtype} is not supported; use float32, float16 or bfloat16")
+    require(k_cache.dtype in FLOAT_DTYPES + FP8_DTYPES,
+             f"cache dtype {k_cache.dtype} is not supported; use float32, float16, bfloat16, "
+             "float8_e4m3fn or float8_e5m2")
     require(v_cache.dtype == k_cache.dtype,
              f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}; use one dtype")
     require(v_cache.device == k_cache.device,
@@ -63,9 +65,7 @@ def check_int_tensor(name: str, t: torch.Tensor, dim: int, dtypes=(torch.int32,)
 def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str = "q") -> tuple[int, int]:
     """q [..., H, D] against the cache; returns (num_heads, group = H // KVH)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    require(q.dtype == k_cache.dtype,
-             f"{name} is {q.dtype} but the cache is {k_cache.dtype}; cast {name} with "
-             f".to({k_cache.dtype})")
+    check_dtype_for_cache(name, q, k_cache)
     require(q.shape[-1] == head_dim,
              f"{name} head_dim {q.shape[-1]} does not match the cache head_dim {head_dim}")
     num_heads = q.shape[-2]
@@ -73,6 +73,29 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor, name: str = "q") -> tupl
              f"{num_heads} query heads are not a multiple of the cache's {num_kv_heads} KV heads "
              "(grouped-query attention needs H % KVH == 0)")
     return num_heads, num_heads // num_kv_heads
+
+
+def check_dtype_for_cache(name: str, t: torch.Tensor, k_cache: torch.Tensor,
+                          it: str = "") -> None:
+    """A float cache takes tensors of its own dtype; an fp8 cache takes any float dtype (it
+    quantizes on store and dequantizes on read)."""
+    if k_cache.dtype in FP8_DTYPES:
+        require(t.dtype in FLOAT_DTYPES, f"{name} is {t.dtype}; an fp8 cache takes float32, "
+                                          "float16 or bfloat16 keys, values and queries")
+    else:
+        require(t.dtype == k_cache.dtype, f"{name} is {t.dtype} but the cache is "
+                                          f"{k_cache.dtype}; cast {it or name} with "
+                                          f".to({k_cache.dtype})")
+
+
+def check_kv_scales(k_scale, v_scale, k_cache: torch.Tensor) -> None:
+    """Per-tensor fp8 scales: positive finite Python numbers; exactly 1.0 for a float cache."""
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        require(isinstance(s, (int, float)) and not isinstance(s, bool) and 0 < s < float("inf"),
+                 f"{name} must be a positive finite Python number, got {s!r}")
+        require(k_cache.dtype in FP8_DTYPES or s == 1.0,
+                 f"{name}={s!r} but the cache is {k_cache.dtype}, which stores values as they "
+                 "are; scales apply to an fp8 cache only (leave them at 1.0)")
 
 
 def check_scale(scale) -> None:

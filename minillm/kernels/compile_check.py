@@ -28,7 +28,8 @@ from triton.compiler import ASTSource, make_backend
 from . import paged_decode, paged_prefill, store_kv_kernel
 
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                torch.int32: "i32", torch.int64: "i64"}
+                torch.int32: "i32", torch.int64: "i64",
+                torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
 class _Catch:
@@ -100,15 +101,18 @@ def resource_usage(compiled) -> dict:
 
 
 def check(arch: int = 90, dtype: torch.dtype = torch.bfloat16,
-          geometries=((9, 3, 64), (32, 8, 128)), block_size: int = 16) -> list[dict]:
-    """Compile every kernel variant for each (H, KVH, D) geometry; one dict per kernel."""
+          geometries=((9, 3, 64), (32, 8, 128)), block_size: int = 16,
+          kv_dtype: torch.dtype | None = None) -> list[dict]:
+    """Compile every kernel variant for each (H, KVH, D) geometry; one dict per kernel.
+    kv_dtype: the cache's dtype when it differs from q's (an fp8 cache, chapter 09)."""
     if paged_decode.interpreting():
         raise RuntimeError("TRITON_INTERPRET=1 is set: the kernels were defined for the "
                            "interpreter; run this in a process without it")
     rows = []
     for num_heads, num_kv_heads, head_dim in geometries:
         meta = dict(device="meta")
-        k_cache = torch.empty(1024, block_size, num_kv_heads, head_dim, dtype=dtype, **meta)
+        k_cache = torch.empty(1024, block_size, num_kv_heads, head_dim, dtype=kv_dtype or dtype,
+                              **meta)
         v_cache = torch.empty_like(k_cache)
         tables = torch.empty(4, 4096 // block_size, dtype=torch.int32, **meta)
         lens = torch.empty(4, dtype=torch.int32, **meta)
@@ -131,7 +135,8 @@ def check(arch: int = 90, dtype: torch.dtype = torch.bfloat16,
                 compiled = compile_launch(kernel, args, kwargs, arch)
                 rows.append(dict(variant=variant, kernel=kernel.__name__,
                                  geometry=(num_heads, num_kv_heads, head_dim),
-                                 dtype=str(dtype)[6:], arch=arch, **resource_usage(compiled)))
+                                 dtype=str(dtype)[6:], kv_dtype=str(k_cache.dtype)[6:],
+                                 arch=arch, **resource_usage(compiled)))
     return rows
 
 
@@ -139,10 +144,13 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 80 or 90")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--kv-dtype", default=None, choices=["float8_e4m3fn", "float8_e5m2"],
+                   help="an fp8 cache (default: the cache has --dtype)")
     a = p.parse_args()
-    for row in check(a.arch, getattr(torch, a.dtype)):
+    kv = getattr(torch, a.kv_dtype) if a.kv_dtype else None
+    for row in check(a.arch, getattr(torch, a.dtype), kv_dtype=kv):
         print(f"{row['variant']:20s} {row['kernel']:26s} H/KVH/D={row['geometry']} "
-              f"{row['dtype']} sm_{row['arch']}: {row['registers']} registers, "
+              f"{row['dtype']}/{row['kv_dtype']} sm_{row['arch']}: {row['registers']} registers, "
               f"{row['stack_bytes']} B stack (spills), {row['shared_bytes']} B shared")
 
 

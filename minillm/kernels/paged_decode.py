@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import is_fp8
+
 TILE_N = 64              # keys per loop iteration (any block size: a tile may span blocks);
                          # fp32 uses TILE_N // 2 so its tiles fit in registers
 MIN_PARTITION = 128      # split-KV never makes a partition shorter than this many keys
@@ -76,7 +78,8 @@ def _paged_decode_kernel(
     k_cache_ptr, v_cache_ptr,       # [num_blocks, BLOCK_SIZE, KVH, D] the shared pool
     block_tables_ptr,               # [B, max_blocks] int32: physical block of each logical block
     seq_lens_ptr,                   # [B] int32: keys per sequence (the new token included)
-    scale,                          # softmax scale, usually 1 / sqrt(D)
+    scale,                          # softmax scale, usually 1 / sqrt(D), times k_scale
+    v_scale,                        # an fp8 cache's value scale (1.0 otherwise)
     num_heads, num_partitions,
     stride_q_seq, stride_q_head, stride_q_dim,
     stride_out_seq, stride_out_head, stride_out_dim,
@@ -91,6 +94,7 @@ def _paged_decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,    # "ieee" for fp32 inputs (no TF32 rounding), else unused
     UPCAST: tl.constexpr,           # interpreter-only bf16 workaround, see `dot`
+    KV_FP8: tl.constexpr,           # the cache holds fp8 bytes: convert each tile to q's dtype
 ):
     seq = tl.program_id(0)          # which sequence
     kv_head = tl.program_id(1)      # which KV head (and so which group of query heads)
@@ -143,6 +147,8 @@ def _paged_decode_kernel(
         kv_mask = key_is_real[:, None] & dim_is_real[None, :]
         # 5. one gathered load brings TILE_N keys (each a contiguous run of D elements)
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)    # [TILE_N, D_PAD]
+        if KV_FP8:                  # one byte per value -> q's dtype (exact); scales folded
+            k = k.to(q.dtype)
         # ----------------------------------------------------------------
 
         # scores of every query row against every key of the tile, accumulated in fp32
@@ -155,11 +161,13 @@ def _paged_decode_kernel(
         p = tl.exp(scores - m_new[:, None])     # [GROUP_PAD, TILE_N]; masked keys give 0
         l = l * correction + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)    # same addresses as K
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * correction[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m = m_new
 
     # Every query row saw at least one real key (key `start`), so l > 0 here.
-    out = acc / l[:, None]                                                 # [GROUP_PAD, D_PAD]
+    out = acc / l[:, None] * v_scale                                   # [GROUP_PAD, D_PAD]
     store_mask = row_is_head[:, None] & dim_is_real[None, :]
     if SPLIT:
         # partial result of this slice: normalised output, plus (max, sum) to weight it later
@@ -239,7 +247,8 @@ def choose_partition_size(batch: int, num_kv_heads: int, context_capacity: int,
 
 
 def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                        split_kv: bool | None = None, partition_size: int | None = None):
+                        split_kv: bool | None = None, partition_size: int | None = None,
+                        k_scale: float = 1.0, v_scale: float = 1.0):
     """Launch the decode kernel (and, when splitting, the merge kernel).
 
     split_kv None: split when a partition_size is given, else as `choose_partition_size` says;
@@ -270,12 +279,13 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE_N=TILE_N if q.dtype != torch.float32 else TILE_N // 2,
-        num_warps=4, num_stages=2, **dot_options(q.dtype),
+        num_warps=4, num_stages=2, KV_FP8=is_fp8(k_cache), **dot_options(q.dtype),
     )
+    scale, v_scale = scale * k_scale, float(v_scale)     # fp8 scales folded (kv_quant.py)
     cache_strides = k_cache.stride()        # v_cache has the same strides (checked)
     if not split:
         _paged_decode_kernel[(batch, num_kv_heads, 1)](
-            out, out, out, q, k_cache, v_cache, block_tables, seq_lens, scale,
+            out, out, out, q, k_cache, v_cache, block_tables, seq_lens, scale, v_scale,
             num_heads, 1, *q.stride(), *out.stride(), *cache_strides, *block_tables.stride(),
             PARTITION_SIZE=TILE_N, SPLIT=False, **common)
         return out
@@ -287,7 +297,7 @@ def paged_decode_triton(q, k_cache, v_cache, block_tables, seq_lens, scale,
     part_sum = torch.empty_like(part_max)
     _paged_decode_kernel[(batch, num_kv_heads, num_partitions)](
         part_out, part_max, part_sum, q, k_cache, v_cache, block_tables, seq_lens, scale,
-        num_heads, num_partitions, *q.stride(), *out.stride(), *cache_strides,
+        v_scale, num_heads, num_partitions, *q.stride(), *out.stride(), *cache_strides,
         *block_tables.stride(), PARTITION_SIZE=partition_size, SPLIT=True, **common)
     _merge_partitions_kernel[(batch, num_heads)](
         out, part_out, part_max, part_sum, seq_lens, num_heads, num_partitions, *out.stride(),

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .kv_quant import is_fp8
 from .paged_decode import dot, dot_options
 
 TILE_N = 64              # keys per loop iteration
@@ -36,7 +37,8 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,               # [B + 1] int32: sequence b owns q rows cu[b] : cu[b + 1]
     seq_lens_ptr,                   # [B] int32: keys per sequence, these queries included
     block_tables_ptr,               # [B, max_blocks] int32
-    scale,
+    scale,                          # softmax scale times k_scale (fp8 cache)
+    v_scale,                        # an fp8 cache's value scale (1.0 otherwise)
     stride_q_token, stride_q_head, stride_q_dim,
     stride_out_token, stride_out_head, stride_out_dim,
     stride_cache_block, stride_cache_offset, stride_cache_head, stride_cache_dim,
@@ -46,6 +48,7 @@ def _paged_prefill_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,      # see paged_decode.dot
+    KV_FP8: tl.constexpr,           # the cache holds fp8 bytes: convert each tile to q's dtype
 ):
     q_tile = tl.program_id(0)       # which BLOCK_Q tokens of the sequence's new queries
     seq = tl.program_id(1)
@@ -91,6 +94,8 @@ def _paged_prefill_kernel(
         kv_offsets = key_offsets[:, None] + dims[None, :] * stride_cache_dim  # [TILE_N, D_PAD]
         kv_mask = key_is_real[:, None] & dim_is_real[None, :]
         k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)      # [TILE_N, D_PAD]
+        if KV_FP8:                  # one byte per value -> q's dtype (exact); scales folded
+            k = k.to(q.dtype)
 
         scores = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale   # [ROWS, TILE_N]
         # causal mask: a query sees keys at its own position and before
@@ -104,17 +109,20 @@ def _paged_prefill_kernel(
         p = tl.exp(scores - m_new[:, None])
         l = l * correction + tl.sum(p, axis=1)
         v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * correction[:, None] + dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m = m_new
 
-    out = acc / l[:, None]
+    out = acc / l[:, None] * v_scale
     out_row_offsets = (q_begin + token).to(tl.int64) * stride_out_token + heads * stride_out_head
     tl.store(out_ptr + out_row_offsets[:, None] + dims[None, :] * stride_out_dim,
              out.to(out_ptr.dtype.element_ty), mask=row_is_real[:, None] & dim_is_real[None, :])
 
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                         max_query_len: int | None = None):
+                         max_query_len: int | None = None, k_scale: float = 1.0,
+                         v_scale: float = 1.0):
     """Launch the prefill kernel.
 
     max_query_len (the longest q_len in the batch, which a scheduler knows on the host) sizes
@@ -135,11 +143,12 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tabl
     longest = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
     grid = (triton.cdiv(longest, block_q), batch, num_kv_heads)
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * k_scale,
+        float(v_scale),
         *q.stride(), *out.stride(), *k_cache.stride(), *block_tables.stride(),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE_N=TILE_N // halve,
-        num_warps=4, num_stages=2, **dot_options(q.dtype),
+        num_warps=4, num_stages=2, KV_FP8=is_fp8(k_cache), **dot_options(q.dtype),
     )
     return out

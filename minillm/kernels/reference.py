@@ -12,21 +12,28 @@ The paged layout, once:
     token t of sequence b lives at  k_cache[block_tables[b, t // block_size], t % block_size]
     a "slot" is the flat index block_id * block_size + offset (what store_kv writes to)
 
+An fp8 cache (chapter 09) stores x / k_scale (or v_scale) in one byte; `store_kv` quantizes and
+the attention twins dequantize what they gather (`kv_quant.py`). With a float cache the scales
+are 1.0 and both steps are plain casts.
+
 These functions do not check their inputs; `minillm.kernels` does that before calling them.
 """
 from __future__ import annotations
 
 import torch
 
+from .kv_quant import dequantize, quantize
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """Write k, v [T, KVH, D] into the cache at slot_mapping [T]; slot -1 means skip. In place."""
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0):
+    """Write k, v [T, KVH, D] into the cache at slot_mapping [T]; slot -1 means skip. In place.
+    An fp8 cache gets k / k_scale and v / v_scale, saturated and rounded to fp8."""
     block_size = k_cache.shape[1]
     keep = slot_mapping >= 0                                 # [T] vLLM pads batches with -1
     slots = slot_mapping[keep].long()
     block_ids, offsets = slots // block_size, slots % block_size
-    k_cache[block_ids, offsets] = k[keep].to(k_cache.dtype)  # [kept, KVH, D] each
-    v_cache[block_ids, offsets] = v[keep].to(v_cache.dtype)
+    k_cache[block_ids, offsets] = quantize(k[keep], k_cache.dtype, k_scale)   # [kept, KVH, D]
+    v_cache[block_ids, offsets] = quantize(v[keep], v_cache.dtype, v_scale)
 
 
 def gather_kv(cache, block_table_row, seq_len):
@@ -54,7 +61,8 @@ def _attend(q, k, v, scale, q_positions):
     return torch.einsum("hqk,khd->qhd", probs, v)            # [Tq, H, D] float32
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k_scale=1.0,
+                           v_scale=1.0):
     """One new query per sequence against its whole paged context.
 
     q [B, H, D]; block_tables [B, max_blocks]; seq_lens [B] (including the new token, whose K/V
@@ -63,14 +71,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale):
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
-        k = gather_kv(k_cache, block_tables[b], seq_len)     # [seq_len, KVH, D]
-        v = gather_kv(v_cache, block_tables[b], seq_len)
+        k = dequantize(gather_kv(k_cache, block_tables[b], seq_len), k_scale)  # [seq_len, KVH, D]
+        v = dequantize(gather_kv(v_cache, block_tables[b], seq_len), v_scale)
         last = torch.tensor([seq_len - 1], device=q.device)  # the query is the newest token
         out[b] = _attend(q[b][None], k, v, scale, last)[0].to(q.dtype)   # [1, H, D] -> [H, D]
     return out
 
 
-def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale):
+def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
+                            k_scale=1.0, v_scale=1.0):
     """Ragged causal queries against paged context.
 
     q [T, H, D] holds the queries of all sequences back to back; sequence b owns rows
@@ -83,8 +92,8 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
         if end == start:
             continue
         seq_len, q_len = int(seq_lens[b]), end - start
-        k = gather_kv(k_cache, block_tables[b], seq_len)     # [seq_len, KVH, D]
-        v = gather_kv(v_cache, block_tables[b], seq_len)
+        k = dequantize(gather_kv(k_cache, block_tables[b], seq_len), k_scale)  # [seq_len, KVH, D]
+        v = dequantize(gather_kv(v_cache, block_tables[b], seq_len), v_scale)
         positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
         out[start:end] = _attend(q[start:end], k, v, scale, positions).to(q.dtype)
     return out

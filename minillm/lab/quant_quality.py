@@ -88,12 +88,16 @@ def greedy(model, prompt_ids: list, max_new_tokens: int) -> list:
 def compare(ref_logp: torch.Tensor, ids: torch.Tensor, model, ref_greedy: list,
             prompt_list: list, max_new_tokens: int) -> Quality:
     """Quality of `model` against the reference's log-probs and greedy outputs on the same ids."""
-    logp = log_probs(model, ids)                                         # [S, T, V]
+    outs = [greedy(model, p, max_new_tokens) for p in prompt_list]
+    return score(ref_logp, log_probs(model, ids), ids, ref_greedy, outs, max_new_tokens)
+
+
+def score(ref_logp, logp, ids, ref_greedy: list, outs: list, max_new_tokens: int) -> Quality:
+    """The four numbers from log-probs [S, T, V] of both sides and greedy token lists."""
     nll = -logp[:, :-1].gather(-1, ids[:, 1:, None]).mean()
     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()
     top1 = (ref_logp.argmax(-1) == logp.argmax(-1)).float().mean()
-    runs = [matching_prefix(r, greedy(model, p, max_new_tokens))
-            for r, p in zip(ref_greedy, prompt_list)]
+    runs = [matching_prefix(r, o) for r, o in zip(ref_greedy, outs)]
     return Quality(perplexity=float(nll.exp()), mean_kl=float(kl), top1_agreement=float(top1),
                    greedy_match_tokens=sum(runs) / len(runs),
                    greedy_identical=sum(r == max_new_tokens for r in runs),
@@ -112,4 +116,43 @@ def quality_table(ref_model, variants: dict, tok, num_seqs: int = 4, seq_len: in
     table = {"reference": compare(ref_logp, ids, ref_model, ref_greedy, plist, max_new_tokens)}
     for name, model in variants.items():
         table[name] = compare(ref_logp, ids, model, ref_greedy, plist, max_new_tokens)
+    return table
+
+
+# --- the KV cache in fewer bits: the engine's own paged path, fp32 pool vs fp8 pool ----------
+@torch.no_grad()
+def paged_log_probs(model, ids: torch.Tensor, kv_cache_dtype: str = "auto",
+                    block_size: int = 16) -> torch.Tensor:
+    """[S, T] -> [S, T, V] through a paged cache of `kv_cache_dtype`: every query attends to
+    the keys and values as the pool stores them (rounded to fp8 for "fp8"), as in the engine."""
+    from minillm.cache.paged import SimplePagedKVCache
+    rows = []
+    for row in ids:
+        cache = SimplePagedKVCache(model.config, -(-row.numel() // block_size), block_size,
+                                   batch_size=1, dtype=model.dtype, device=model.device,
+                                   kv_cache_dtype=kv_cache_dtype)
+        rows.append(model(row[None], cache=cache).float().log_softmax(-1))
+    return torch.cat(rows)
+
+
+def engine_greedy(model, prompt_list: list, max_new_tokens: int, kv_cache_dtype: str) -> list:
+    """Greedy continuations from the engine (LLM) with this KV cache dtype."""
+    from minillm import LLM, SamplingParams
+    llm = LLM((model, None), kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompt_list, sp, use_tqdm=False)]
+
+
+def kv_quality_table(model, tok, kv_cache_dtypes=("fp8",), num_seqs: int = 4,
+                     seq_len: int = 256, num_prompts: int = 8, max_new_tokens: int = 32) -> dict:
+    """{kv_cache_dtype: Quality} against the same model with its own-dtype pool ("auto"),
+    all through the paged cache and the engine."""
+    ids = eval_ids(tok, num_seqs, seq_len)
+    plist = prompts(tok, num_prompts)
+    ref_logp = paged_log_probs(model, ids, "auto")
+    ref_greedy = engine_greedy(model, plist, max_new_tokens, "auto")
+    table = {"auto": score(ref_logp, ref_logp, ids, ref_greedy, ref_greedy, max_new_tokens)}
+    for d in kv_cache_dtypes:
+        table[d] = score(ref_logp, paged_log_probs(model, ids, d), ids, ref_greedy,
+                         engine_greedy(model, plist, max_new_tokens, d), max_new_tokens)
     return table
