@@ -29,6 +29,7 @@ import torch
 
 from ..loader import load_model, resolve_device, resolve_dtype
 from ..sampling import SamplingParams
+from .cuda_graphs import check_enforce_eager
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 
@@ -68,7 +69,9 @@ class LLM:
     `minillm.engine.model_runner.CUDA_KV_FRACTION` and `CPU_KV_BYTES`). dtype: None or "auto"
     (bf16 or fp16 on a GPU, fp32 on a CPU), or e.g. "bfloat16": on a CPU with native bf16
     (AVX512_BF16 or AMX) that halves the bytes every step reads; fp32 stays the CPU default
-    because it is what the tests compare with transformers."""
+    because it is what the tests compare with transformers. enforce_eager=False replays decode
+    steps from CUDA graphs on a GPU (`minillm.engine.cuda_graphs`); ignored, with a logged note,
+    on a CPU. The default stays True (vLLM's is False) until that path has run in CI on a GPU."""
 
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
@@ -76,7 +79,9 @@ class LLM:
                  enable_prefix_caching: bool = True, scheduling: str = "continuous",
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
                  device=None, dtype=None, clock=None, speculative_config=None,
-                 quantization: Optional[str] = None, kv_transfer_config=None):
+                 quantization: Optional[str] = None, kv_transfer_config=None,
+                 enforce_eager: bool = True):
+        check_enforce_eager(enforce_eager)   # chapter 12; checked before loading anything
         if speculative_config is not None:   # fail before loading anything
             from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
@@ -107,7 +112,8 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching,
                                 scheduling=scheduling, preemption=preemption, clock=clock,
                                 speculative_config=speculative_config,
-                                kv_transfer_config=kv_transfer_config)
+                                kv_transfer_config=kv_transfer_config,
+                                enforce_eager=enforce_eager)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
