@@ -2,7 +2,7 @@
 and planted bugs are caught with a message that names the mistake: memory and compute added
 instead of maxed, the overhead left out, bytes counted in bf16 whatever the dtype, weights read
 once per sequence; fused parts in reverse order, biases dropped, mixed biases accepted, the
-input layers changed in place."""
+checkpoint changed in place."""
 import torch
 
 from minillm.grading import ch12
@@ -12,14 +12,14 @@ from minillm.kvmath import dtype_bytes
 from grader_contract import contract_tests, planted_bug_tests
 
 NOTEBOOK = "12_engine_overheads.ipynb"
-GRADED = {"predict_step": ch12.PREDICT_STEP, "fuse_linears": ch12.FUSE_LINEARS}
+GRADED = {"predict_step": ch12.PREDICT_STEP, "fuse_projections": ch12.FUSE_PROJECTIONS}
 
 (test_solution_scores_full_marks, test_unfilled_exercise_fails_every_check,
  test_solution_cells_hold_the_marked_solution) = contract_tests(NOTEBOOK, GRADED)
 
 
 def test_chapter_lists_its_exercises_for_batch_grading():
-    assert [e.id for e in ch12.EXERCISES] == ["ch12.predict_step", "ch12.fuse_linears"]
+    assert [e.id for e in ch12.EXERCISES] == ["ch12.predict_step", "ch12.fuse_projections"]
 
 
 def test_reference_limits_cover_all_three_terms():
@@ -31,12 +31,16 @@ def test_reference_limits_cover_all_three_terms():
     assert limits == {"memory", "compute", "overhead"}
 
 
-def test_reference_fuse_matches_the_parts():
-    layers = ch12._layers([64, 32, 32], bias=True, seed=1)
+def test_reference_fuse_matches_the_parts_and_the_loader():
+    import torch.nn.functional as F
+
+    names = ["q_proj", "k_proj", "v_proj"]
+    sd = ch12._checkpoint([64, 32, 32], names, bias=True, seed=1)
+    weight, bias = ch12.reference_fuse_projections(sd, names)
     x = torch.randn(4, 64)
-    with torch.no_grad():
-        assert torch.allclose(ch12.reference_fuse_linears(layers)(x),
-                              torch.cat([lin(x) for lin in layers], -1), atol=1e-5)
+    assert torch.allclose(F.linear(x, weight, bias),
+                          torch.cat([F.linear(x, sd[n + ".weight"], sd[n + ".bias"])
+                                     for n in names], -1), atol=1e-5)
 
 
 # ------------------------------------------------------------------ planted bugs
@@ -67,26 +71,25 @@ for _f, _n in ((predict_added, "predict_added"), (predict_no_overhead, "predict_
 
 
 def _fuse(reverse=False, drop_bias=False, accept_mixed=False, in_place=False):
-    def fuse_linears(linears):
-        if not linears or any(lin.in_features != linears[0].in_features for lin in linears):
+    def fuse_projections(state_dict, parts):
+        if not parts or any(f"{p}.weight" not in state_dict for p in parts):
             raise ValueError("bad")
-        if not accept_mixed and len({lin.bias is None for lin in linears}) > 1:
+        ws = [state_dict[f"{p}.weight"] for p in parts]
+        if any(w.shape[1] != ws[0].shape[1] for w in ws):
+            raise ValueError("bad")
+        has = [f"{p}.bias" in state_dict for p in parts]
+        if not accept_mixed and len(set(has)) > 1:
             raise ValueError("bias")
-        parts = linears[::-1] if reverse else linears
-        bias = linears[0].bias is not None and not drop_bias
-        fused = torch.nn.Linear(linears[0].in_features, sum(lin.out_features for lin in parts),
-                                bias=bias)
-        with torch.no_grad():
-            fused.weight.copy_(torch.cat([lin.weight for lin in parts]))
-            if bias:
-                fused.bias.copy_(torch.cat([lin.bias if lin.bias is not None
-                                            else torch.zeros(lin.out_features) for lin in parts]))
-            if in_place:
-                linears[0].weight.mul_(1.0)
-                linears[0].weight.add_(1.0)
-                linears[0].weight.sub_(1.0 - 1e-3)
-        return fused
-    return fuse_linears
+        order = parts[::-1] if reverse else parts
+        if in_place:
+            state_dict[f"{parts[0]}.weight"].mul_(2.0)
+        weight = torch.cat([state_dict[f"{p}.weight"] for p in order])
+        bias = None
+        if any(has) and not drop_bias:
+            bias = torch.cat([state_dict.get(f"{p}.bias", torch.zeros(len(state_dict[
+                f"{p}.weight"]))) for p in order])
+        return weight, bias
+    return fuse_projections
 
 
 fuse_reversed = _fuse(reverse=True)
@@ -102,10 +105,10 @@ BUGS = [
     ("predict_step", predict_no_overhead, "overhead_s = num_ops", "per-op cost is missing"),
     ("predict_step", predict_bf16_bytes, "memory_s = bytes", "counted in bf16"),
     ("predict_step", predict_per_sequence, "memory_s = bytes", "once per sequence"),
-    ("fuse_linears", fuse_reversed, "GQA layer", "reverse order"),
-    ("fuse_linears", fuse_no_bias, "biases travel", "biases are missing"),
-    ("fuse_linears", fuse_mixed, "bad input", "one layer with a bias and one without"),
-    ("fuse_linears", fuse_in_place, "left unchanged", "was changed"),
+    ("fuse_projections", fuse_reversed, "GQA layer", "reverse order"),
+    ("fuse_projections", fuse_no_bias, "biases travel", "biases are missing"),
+    ("fuse_projections", fuse_mixed, "bad input", "q_proj with a bias"),
+    ("fuse_projections", fuse_in_place, "left unchanged", "was changed"),
 ]
 (test_planted_bug_is_caught_with_a_specific_message,
  test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)

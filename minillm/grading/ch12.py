@@ -2,14 +2,14 @@
 
     ch12.check_predict_step(predict_step)      # (a) a decode step's time from bytes, FLOPs and
                                                #     op count
-    ch12.check_fuse_linears(fuse_linears)      # (b) several projections of one input as ONE
-                                               #     nn.Linear
+    ch12.check_fuse_projections(fuse_projections)   # (b) a checkpoint's q/k/v (or gate/up)
+                                                    #     as ONE weight
 
 (a) predict_step(cfg, batch, context, dtype, bandwidth, flops, num_ops, op_seconds) -> dict with
 memory_s, compute_s, overhead_s, step_s, limit; reference minillm.lab.profiling.predict_step.
-(b) fuse_linears(linears) -> nn.Linear whose output is the given layers' outputs side by side;
-the reference is the layers themselves (their outputs concatenated) and minillm.model's
-MergedColumnParallelLinear filled through its weight_loader.
+(b) fuse_projections(state_dict, parts) -> (weight, bias or None): the checkpoint's separate
+projections as one stacked weight; checked against the parts' own outputs side by side, and
+the reference is minillm.model's MergedColumnParallelLinear filled through its weight_loader.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 from .core import Check, Exercise, Problem, expect_value_error
 from .hints import one_fit
@@ -167,116 +168,129 @@ def check_predict_step(predict_step, time_limit: Optional[float] = None):
     return PREDICT_STEP.check(predict_step, time_limit)
 
 
-# ============================================================================ (b) fuse_linears
+# ======================================================================== (b) fuse_projections
 
-def reference_fuse_linears(linears) -> torch.nn.Linear:
+def reference_fuse_projections(state_dict, parts):
+    """The loader's job for one fused layer: minillm.model.MergedColumnParallelLinear, each
+    part copied into its rows by the layer's own weight_loader."""
     from ..model import MergedColumnParallelLinear
-    if not linears:
-        raise ValueError("give at least one layer")
-    first = linears[0]
-    if any(lin.in_features != first.in_features for lin in linears):
-        raise ValueError("every layer must read the same input size")
-    if len({lin.bias is None for lin in linears}) > 1:
-        raise ValueError("either every layer has a bias or none has")
-    fused = MergedColumnParallelLinear(first.in_features, [lin.out_features for lin in linears],
-                                       bias=first.bias is not None).to(first.weight.dtype)
+    if not parts:
+        raise ValueError("give at least one part")
+    missing = [f"{p}.weight" for p in parts if f"{p}.weight" not in state_dict]
+    if missing:
+        raise ValueError(f"the checkpoint has no {missing}")
+    weights = [state_dict[f"{p}.weight"] for p in parts]
+    if any(w.shape[1] != weights[0].shape[1] for w in weights):
+        raise ValueError("every part must read the same input size")
+    has_bias = {f"{p}.bias" in state_dict for p in parts}
+    if len(has_bias) > 1:
+        raise ValueError("either every part has a bias or none has")
+    bias = has_bias.pop()
+    fused = MergedColumnParallelLinear(weights[0].shape[1], [w.shape[0] for w in weights],
+                                       bias=bias).to(weights[0].dtype)
     with torch.no_grad():
-        for i, lin in enumerate(linears):
-            fused.weight_loader(fused.weight, lin.weight, i)
-            if lin.bias is not None:
-                fused.weight_loader(fused.bias, lin.bias, i)
-    return fused
-
-
-def _layers(sizes, in_features=64, bias=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in sizes:
-        lin = torch.nn.Linear(in_features, n, bias=bias)
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(n, in_features, generator=g) * 0.1)
+        for i, p in enumerate(parts):
+            fused.weight_loader(fused.weight, state_dict[f"{p}.weight"], i)
             if bias:
-                lin.bias.copy_(torch.randn(n, generator=g))
-        out.append(lin)
-    return out
+                fused.weight_loader(fused.bias, state_dict[f"{p}.bias"], i)
+    return fused.weight.detach().clone(), (fused.bias.detach().clone() if bias else None)
 
 
-def _fused_output(fn, layers, x):
-    fused = fn(layers)
-    if not isinstance(fused, torch.nn.Linear):
-        raise Problem(f"return one torch.nn.Linear, got {type(fused).__name__}")
-    want_out = sum(lin.out_features for lin in layers)
-    if (fused.in_features, fused.out_features) != (layers[0].in_features, want_out):
-        raise Problem(f"layers of sizes {[tuple(lin.weight.shape) for lin in layers]} "
-                      f"(out, in): the fused layer must be {layers[0].in_features} -> "
-                      f"{want_out}, got {fused.in_features} -> {fused.out_features}; stack the "
-                      "weights along dim 0 (rows are outputs)")
-    with torch.no_grad():
-        return fused, fused(x)
+def _checkpoint(sizes, names, in_features=64, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, n in zip(names, sizes):
+        sd[f"{name}.weight"] = torch.randn(n, in_features, generator=g) * 0.1
+        if bias:
+            sd[f"{name}.bias"] = torch.randn(n, generator=g)
+    return sd
 
 
-def _side_by_side(sizes, bias, batch_shape, seed):
+def _fused(fn, sd, parts):
+    got = fn({k: v.clone() for k, v in sd.items()}, list(parts))
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
+            and (got[1] is None or isinstance(got[1], torch.Tensor))):
+        raise Problem(f"return (weight tensor, bias tensor or None), got {got!r}")
+    weight, bias = got
+    rows = sum(sd[f"{p}.weight"].shape[0] for p in parts)
+    k = sd[f"{parts[0]}.weight"].shape[1]
+    if tuple(weight.shape) != (rows, k):
+        raise Problem(f"parts {[(p, tuple(sd[p + '.weight'].shape)) for p in parts]}: the fused "
+                      f"weight must be [{rows}, {k}], got {tuple(weight.shape)}; stack along "
+                      "dim 0 (rows are outputs)")
+    return weight, bias
+
+
+def _side_by_side(sizes, names, bias, batch_shape, seed):
     def check(fn):
-        layers = _layers(sizes, bias=bias, seed=seed)
+        sd = _checkpoint(sizes, names, bias=bias, seed=seed)
         x = torch.randn(*batch_shape, 64, generator=torch.Generator().manual_seed(seed + 1))
-        fused, got = _fused_output(fn, layers, x)
-        with torch.no_grad():
-            parts = [lin(x) for lin in layers]
-            want = torch.cat(parts, dim=-1)
-        if got.shape == want.shape and torch.allclose(got, want, atol=1e-5):
+        weight, fbias = _fused(fn, sd, names)
+        if bias and fbias is None:
+            raise Problem(f"parts {names} have biases ({[n + '.bias' for n in names]}) but you "
+                          "returned None: the biases are missing, stack them like the weights")
+        got = F.linear(x, weight, fbias)
+        parts = [F.linear(x, sd[f"{n}.weight"], sd.get(f"{n}.bias")) for n in names]
+        want = torch.cat(parts, dim=-1)
+        if torch.allclose(got, want, atol=1e-5):
             return
-        hint = ""
-        with torch.no_grad():
-            if got.shape == want.shape:
-                hint = one_fit(got, [
-                    (torch.cat(parts[::-1], dim=-1), "the parts are in reverse order: keep the "
-                                                     "order of the list (q, k, v)"),
-                    (torch.cat([p - lin.bias for p, lin in zip(parts, layers)], -1) if bias
-                     else None, "the biases are missing: stack them like the weights"),
-                ], expected=want, same=lambda a, b: a is not None and b is not None
-                    and torch.allclose(a, b, atol=1e-5))
-        raise Problem(f"layers of output sizes {sizes} (bias={bias}), x of shape "
-                      f"{tuple(x.shape)}: the fused layer's output is not the parts side by "
-                      f"side (max |diff| "
-                      f"{(got - want).abs().max().item() if got.shape == want.shape else 'n/a'})"
+        hint = one_fit(got, [
+            (torch.cat(parts[::-1], dim=-1), "the parts are in reverse order: keep the order "
+                                             "of `parts` (q, k, v)"),
+            (torch.cat([F.linear(x, sd[f"{n}.weight"]) for n in names], dim=-1) if bias
+             else None, "the biases are missing: stack them like the weights"),
+        ], expected=want, same=lambda a, b: a is not None and b is not None
+            and torch.allclose(a, b, atol=1e-5))
+        raise Problem(f"parts {names} of output sizes {sizes} (bias={bias}), x of shape "
+                      f"{tuple(x.shape)}: F.linear(x, weight, bias) is not the parts' outputs "
+                      f"side by side (max |diff| {(got - want).abs().max().item():.3g})"
                       + (f"; {hint}" if hint else ""))
     return check
 
 
 def _inputs_unchanged(fn):
-    layers = _layers([64, 32, 32], bias=True, seed=5)
-    before = [(lin.weight.detach().clone(), lin.bias.detach().clone()) for lin in layers]
-    fused = fn(layers)
-    for i, (lin, (w, b)) in enumerate(zip(layers, before)):
-        if not (torch.equal(lin.weight, w) and torch.equal(lin.bias, b)):
-            raise Problem(f"layer {i} was changed by fuse_linears; build a new layer and copy "
-                          "into it, leave the given ones as they were")
-        if isinstance(fused, torch.nn.Linear) and fused.weight.data_ptr() == lin.weight.data_ptr():
-            raise Problem("the fused layer shares its weight with an input layer")
+    names = ["q_proj", "k_proj", "v_proj"]
+    sd = _checkpoint([64, 32, 32], names, bias=True, seed=5)
+    before = {k: v.clone() for k, v in sd.items()}
+    got = fn(sd, list(names))
+    for k, v in before.items():
+        if not torch.equal(sd[k], v):
+            raise Problem(f"the checkpoint's {k} was changed by fuse_projections; build new "
+                          "tensors (torch.cat copies) and leave the checkpoint as it was")
+    want = torch.cat([before[f"{n}.weight"] for n in names])
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], torch.Tensor)
+            and got[0].shape == want.shape and torch.allclose(got[0], want)):
+        raise Problem("with the checkpoint left unchanged, the fused weight must still be the "
+                      f"parts stacked in order ({tuple(want.shape)}); got {got!r:.200}")
 
 
 def _fuse_errors(fn):
-    expect_value_error(lambda: fn([]), "an empty list")
-    expect_value_error(lambda: fn(_layers([8]) + _layers([8], in_features=32)),
-                       "layers that read different input sizes (64 and 32)")
-    expect_value_error(lambda: fn(_layers([8]) + _layers([8], bias=True)),
-                       "one layer with a bias and one without")
+    qkv = ["q_proj", "k_proj", "v_proj"]
+    sd = _checkpoint([16, 8, 8], qkv)
+    expect_value_error(lambda: fn(dict(sd), []), "no parts")
+    expect_value_error(lambda: fn(dict(sd), ["q_proj", "o_proj"]),
+                       "a part the checkpoint does not have (o_proj)")
+    odd = dict(sd, **{"v_proj.weight": torch.zeros(8, 32)})
+    expect_value_error(lambda: fn(odd, qkv), "parts that read different input sizes (64, 32)")
+    mixed = dict(sd, **{"q_proj.bias": torch.zeros(16)})
+    expect_value_error(lambda: fn(mixed, qkv), "q_proj with a bias, k_proj and v_proj without")
 
 
-FUSE_LINEARS = Exercise("ch12.fuse_linears", "fuse_linears", (
-    Check("q, k, v of a GQA layer: the fused output is the parts side by side",
-          _side_by_side([64, 32, 32], False, (5,), 0)),
+FUSE_PROJECTIONS = Exercise("ch12.fuse_projections", "fuse_projections", (
+    Check("q, k, v of a GQA layer: the fused product is the parts side by side",
+          _side_by_side([64, 32, 32], ["q_proj", "k_proj", "v_proj"], False, (5,), 0)),
     Check("biases travel with their rows (Qwen2's q/k/v bias)",
-          _side_by_side([64, 32, 32], True, (3,), 2)),
-    Check("gate and up of an MLP, any batch shape", _side_by_side([96, 96], False, (2, 3), 4)),
-    Check("the given layers are left unchanged", _inputs_unchanged),
+          _side_by_side([64, 32, 32], ["q_proj", "k_proj", "v_proj"], True, (3,), 2)),
+    Check("gate and up of an MLP, any batch shape",
+          _side_by_side([96, 96], ["gate_proj", "up_proj"], False, (2, 3), 4)),
+    Check("the checkpoint is left unchanged", _inputs_unchanged),
     Check("bad input raises ValueError", _fuse_errors),
 ))
 
 
-def check_fuse_linears(fuse_linears, time_limit: Optional[float] = None):
-    """Grade exercise (b): fuse_linears(linears) -> one nn.Linear."""
-    return FUSE_LINEARS.check(fuse_linears, time_limit)
+def check_fuse_projections(fuse_projections, time_limit: Optional[float] = None):
+    """Grade exercise (b): fuse_projections(state_dict, parts) -> (weight, bias or None)."""
+    return FUSE_PROJECTIONS.check(fuse_projections, time_limit)
 
 
-EXERCISES = (PREDICT_STEP, FUSE_LINEARS)
+EXERCISES = (PREDICT_STEP, FUSE_PROJECTIONS)
