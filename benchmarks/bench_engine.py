@@ -50,8 +50,8 @@ from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: 
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear",
-           "minillm_bf16", "llama_cpp")
-DEFAULT_SYSTEMS = SYSTEMS[:5]   # the last two are asked for by name (bf16 CPU, llama.cpp built)
+           "minillm_bf16", "minillm_int4", "llama_cpp")
+DEFAULT_SYSTEMS = SYSTEMS[:5]   # the last three are asked for by name (bf16 CPU, llama.cpp built)
 DEFAULTS = {   # device -> workload and engine limits
     "cpu": dict(models=["smollm2-135m"], weights="pretrained", num_requests=16, min_len=32,
                 max_len=128, max_num_seqs=4, max_num_batched_tokens=512),
@@ -74,7 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
                    help="minillm_bf16: minillm continuous with bf16 weights and KV (needs native "
-                        "bf16 on a CPU); llama_cpp: llama-cpp-python on the bundled GGUF, one "
+                        "bf16 on a CPU); minillm_int4: the same with chapter 09's int4 "
+                        "decoder linears; llama_cpp: llama-cpp-python on the bundled GGUF, one "
                         "request at a time (`make llama-cpp` builds it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
@@ -209,6 +210,21 @@ def run_minillm_bf16(mini, prompts, outputs, args):
     return run_minillm(_BF16[id(mini)], prompts, outputs, args)
 
 
+_INT4 = {}                       # id(fp32 model) -> its bf16 copy with int4 decoder linears
+
+
+def run_minillm_int4(mini, prompts, outputs, args):
+    """minillm continuous on a bf16 copy whose decoder linears are chapter 09's int4 (group 64,
+    round to nearest; PyTorch's packed CPU kernel with bf16 activations)."""
+    import copy
+
+    from minillm.quant import quantize_model
+    if id(mini) not in _INT4:
+        bf16 = copy.deepcopy(mini).to(resolve_dtype("bfloat16", mini.device))
+        _INT4[id(mini)] = quantize_model(bf16, "int4")
+    return run_minillm(_INT4[id(mini)], prompts, outputs, args)
+
+
 _LLAMA = {}                      # the llama.cpp model, loaded once
 
 
@@ -251,6 +267,7 @@ RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
            "minillm_static": lambda m, h, p, o, a: run_minillm(m, p, o, a, "static"),
            "minillm_nn_linear": lambda m, h, p, o, a: run_minillm_nn_linear(m, p, o, a),
            "minillm_bf16": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a),
+           "minillm_int4": lambda m, h, p, o, a: run_minillm_int4(m, p, o, a),
            "llama_cpp": lambda m, h, p, o, a: run_llama_cpp(p, o, a)}
 
 

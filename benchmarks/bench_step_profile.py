@@ -40,6 +40,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="chapter 09's weight quantization of the decoder linears")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--steps", type=int, default=10)
@@ -47,8 +49,10 @@ def main(argv=None):
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    load_before = os.getloadavg()[0]            # at the start, before this run adds to it
     torch.set_num_threads(args.threads)
-    model, _ = minillm.load_model(args.model, device="cpu", dtype=getattr(torch, args.dtype))
+    model, _ = minillm.load_model(args.model, device="cpu", dtype=getattr(torch, args.dtype),
+                                  quantization=args.quantization)
     rows = []
     for b in args.batch:
         engine = decode_engine(model, b, args.context, max_new_tokens=4 * args.steps + 8)
@@ -60,10 +64,11 @@ def main(argv=None):
                      "ops_per_step": round(prof.ops_per_step),
                      "top_ops": [[n, round(c, 1), round(ms, 3)] for n, c, ms in prof.rows[:10]]})
     record = {"benchmark": "step_profile", "label": args.label, "model": args.model,
-              "dtype": args.dtype, "context": args.context, "threads": args.threads,
+              "dtype": args.dtype, "quantization": args.quantization, "context": args.context,
+              "threads": args.threads,
               "device": cpu_model(), "date": datetime.datetime.now(datetime.timezone.utc)
               .strftime("%Y-%m-%dT%H:%MZ"), "torch": torch.__version__,
-              "load_before": os.getloadavg()[0],
+              "load_before": load_before, "load_after": os.getloadavg()[0],
               "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
               "rows": rows}
     if args.out:

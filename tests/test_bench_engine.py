@@ -68,6 +68,26 @@ def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
     assert seen == [torch.bfloat16] and mini.dtype == torch.float32
 
 
+def test_int4_system_quantizes_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
+    import torch
+
+    from minillm import loader
+    from minillm.configs import ModelConfig
+    from minillm.quant import Int4Linear
+    bench = load("bench_engine")
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    seen = []
+    monkeypatch.setattr(bench, "run_minillm", lambda mini, p, o, a, scheduling="continuous":
+                        seen.append((mini.dtype, type(mini.layers[0].mlp.down_proj))))
+    cfg = ModelConfig(name="t", vocab_size=50, hidden_size=64, intermediate_size=128,
+                      num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
+                      max_position_embeddings=64)
+    mini = loader.random_model(cfg, device="cpu", dtype=torch.float32)
+    bench.run_minillm_int4(mini, [], [], None)
+    assert seen == [(torch.bfloat16, Int4Linear)] and mini.dtype == torch.float32
+    assert type(mini.layers[0].mlp.down_proj) is not Int4Linear
+
+
 def test_llama_cpp_system_produces_the_requested_lengths():
     pytest.importorskip("llama_cpp")
     from minillm.loader import find_bundled_gguf

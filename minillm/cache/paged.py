@@ -178,12 +178,13 @@ class PagedKVCache:
         raise ValueError("a paged cache holds sequences of different lengths: pass positions= to "
                          "the model (or use SimplePagedKVCache for B rows that advance together)")
 
-    def set_step(self, meta: StepMetadata) -> None:
-        """Describe the next forward's ragged batch (built by build_step_metadata)."""
+    def set_step(self, meta: StepMetadata, check_values: bool = True) -> None:
+        """Describe the next forward's ragged batch (built by build_step_metadata).
+        check_values=False: trust its tables, no host read (CUDA-graph capture, chapter 12)."""
         if not isinstance(meta, StepMetadata) or meta.slot_mapping is None:
             raise ValueError("set_step takes a StepMetadata with block tables: build it with "
                              "build_step_metadata(spans, block_tables, block_size)")
-        self._meta, self._checked, self._plan = meta, False, None
+        self._meta, self._checked, self._plan = meta, not check_values, None
 
     def prepare_step(self, spans) -> torch.Tensor:
         """spans: [(seq_id, start, end)]: this step computes positions [start, end) of each

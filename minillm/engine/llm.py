@@ -30,6 +30,7 @@ import torch
 from ..cache.paged import resolve_kv_cache_dtype
 from ..loader import load_model, resolve_device, resolve_dtype
 from ..sampling import SamplingParams
+from .cuda_graphs import check_enforce_eager
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 
@@ -71,7 +72,9 @@ class LLM:
     (AVX512_BF16 or AMX) that halves the bytes every step reads; fp32 stays the CPU default
     because it is what the tests compare with transformers. kv_cache_dtype: "auto" (the
     model's dtype) or "fp8" (e4m3, one byte per value: twice bf16's tokens per GB; also
-    "fp8_e4m3", "fp8_e5m2"), vLLM's names."""
+    "fp8_e4m3", "fp8_e5m2"), vLLM's names. enforce_eager=False replays decode
+    steps from CUDA graphs on a GPU (`minillm.engine.cuda_graphs`); ignored, with a logged note,
+    on a CPU. The default stays True (vLLM's is False) until that path has run in CI on a GPU."""
 
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
@@ -80,7 +83,8 @@ class LLM:
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
                  device=None, dtype=None, clock=None, speculative_config=None,
                  quantization: Optional[str] = None, kv_transfer_config=None,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", enforce_eager: bool = True):
+        check_enforce_eager(enforce_eager)   # chapter 12; checked before loading anything
         if speculative_config is not None:   # fail before loading anything
             from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
@@ -113,7 +117,7 @@ class LLM:
                                 scheduling=scheduling, preemption=preemption, clock=clock,
                                 speculative_config=speculative_config,
                                 kv_transfer_config=kv_transfer_config,
-                                kv_cache_dtype=kv_cache_dtype)
+                                kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],

@@ -49,6 +49,7 @@ from ..cache.prefix import PrefixCacheStats
 from ..generate import Prompt, check_context_room, prompt_token_ids, stop_reason
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
+from .cuda_graphs import check_enforce_eager
 from .model_runner import ModelRunner, kv_blocks_for_memory
 from .outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenDelta
 from .request import Request
@@ -88,7 +89,9 @@ class LLMEngine:
                  scheduling: str = "continuous", preemption: str = "recompute",
                  clock=None, max_step_stats: int = 100_000,
                  speculative_config: Optional[dict] = None,
-                 kv_transfer_config: Optional[dict] = None, kv_cache_dtype: str = "auto"):
+                 kv_transfer_config: Optional[dict] = None, kv_cache_dtype: str = "auto",
+                 enforce_eager: bool = True):
+        check_enforce_eager(enforce_eager)       # chapter 12: CUDA graphs for decode steps
         if speculative_config is not None:       # chapter 07; validated before anything else
             parse_speculative_config(speculative_config)
         resolve_kv_cache_dtype(kv_cache_dtype, model.dtype, model.device)   # ch. 09: "fp8"
@@ -118,7 +121,8 @@ class LLMEngine:
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
                                   num_cpu_blocks, needs_hidden=self.proposer.needs_hidden,
-                                  kv_cache_dtype=kv_cache_dtype)
+                                  kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+                                  max_num_seqs=max_num_seqs)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else self.config.eos_token_id
         self.groups: dict = {}                   # request_id -> [Request], sample 0 first

@@ -36,6 +36,7 @@ from ..cache.paged import PagedKVCache, build_step_metadata, resolve_kv_cache_dt
 from ..kvmath import kv_bytes_per_token
 from ..model import capture_hidden
 from ..sampling import apply_penalties, sample, token_logprobs
+from .cuda_graphs import build_graph_runner
 from .spec_decode import verify
 
 # num_kv_blocks=None sizes the pool from memory:
@@ -86,7 +87,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model, block_manager, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, needs_hidden: bool = False,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", enforce_eager: bool = True,
+                 max_num_seqs: int = 64):
         self.model = model
         self.bm = block_manager
         self.device = model.device
@@ -95,6 +97,9 @@ class ModelRunner:
         self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype,
                                   device=model.device, num_cpu_blocks=num_cpu_blocks,
                                   block_manager=block_manager, kv_cache_dtype=kv_cache_dtype)
+        # decode steps replayed from CUDA graphs (chapter 12); NoGraphs on CPU / when eager
+        self.graphs = build_graph_runner(model, self.cache, max_num_seqs, enforce_eager,
+                                         needs_hidden)
 
     # --- one step ------------------------------------------------------------------------------
     def execute(self, sched) -> ModelRunnerOutput:
@@ -159,6 +164,9 @@ class ModelRunner:
         Writes only these requests' new K/V slots, so running it again for some of them (after a
         failure) is harmless."""
         step = self.prepare(scheduled)
+        logits = self.graphs.run(step, scheduled)                               # [B, V] or None
+        if logits is not None:
+            return logits, step.samplers, step.prompt_rows
         self.cache.set_step(step.meta)
         logits = self.model(step.input_ids, positions=step.meta.positions[None], cache=self.cache,
                             logits_rows=step.logits_rows)                       # [1, S, V]

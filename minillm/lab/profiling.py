@@ -92,3 +92,29 @@ def op_table(p: StepProfile, top: int = 12) -> str:
     lines.append(f"step {p.step_ms:.1f} ms = GEMM {p.gemm_ms:.1f} ms + other {p.other_ms:.1f} ms;"
                  f" {p.ops_per_step:.0f} aten ops per step")
     return "\n".join(lines)
+
+
+def predict_step(cfg, batch: int, context: int, dtype, bandwidth: float, flops: float,
+                 num_ops: int, op_seconds: float) -> dict:
+    """A decode step's time from three limits (chapter 12; problem set exercise 1):
+
+        memory_s   = bytes the step moves (`roofline.bytes_moved`) / bandwidth
+        compute_s  = FLOPs of the step (`roofline.forward_flops`, one token per sequence) / flops
+        overhead_s = num_ops x op_seconds: the CPU's fixed cost per op (Python, dispatch, a
+                     kernel launch), paid one op after another whatever the op's size
+        step_s     = max(memory_s, compute_s) + overhead_s
+
+    A GEMM's reads and arithmetic overlap (hence the max); the per-op cost does not overlap with
+    them in an eager engine (hence the +). `limit` names the largest of the three terms."""
+    from ..roofline import bytes_moved, forward_flops
+
+    if bandwidth <= 0 or flops <= 0:
+        raise ValueError(f"bandwidth and flops must be positive, got {bandwidth} and {flops}")
+    if num_ops < 0 or op_seconds < 0:
+        raise ValueError(f"num_ops and op_seconds must be >= 0, got {num_ops} and {op_seconds}")
+    memory = bytes_moved(cfg, batch, 1, context, dtype) / bandwidth
+    compute = forward_flops(cfg, 1, context, batch) / flops
+    overhead = num_ops * op_seconds
+    terms = {"memory": memory, "compute": compute, "overhead": overhead}
+    return {"memory_s": memory, "compute_s": compute, "overhead_s": overhead,
+            "step_s": max(memory, compute) + overhead, "limit": max(terms, key=terms.get)}
