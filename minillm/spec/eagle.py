@@ -72,8 +72,14 @@ class EagleDrafter(nn.Module):
     @classmethod
     def for_model(cls, model, draft_vocab=None) -> "EagleDrafter":
         d = cls(model.config, draft_vocab, model.config.name, model_fingerprint(model))
-        with torch.no_grad():                          # start from the target's last layer
-            d.layer.load_state_dict(model.layers[-1].state_dict())
+        C = model.config.hidden_size
+        with torch.no_grad():      # start as the identity g_p = f_p: the target's last layer
+            d.layer.load_state_dict(model.layers[-1].state_dict())   # with its two output
+            d.layer.self_attn.o_proj.weight.zero_()                  # projections zeroed, and fc
+            d.layer.mlp.down_proj.weight.zero_()                     # passing f_p through
+            d.fc.weight.zero_()
+            d.fc.weight[:, C:] = torch.eye(C)
+            d.fc.bias.zero_()
         return d.to(device=model.device, dtype=model.dtype)
 
     def forward(self, model, features: torch.Tensor, next_ids: torch.Tensor,
