@@ -12,7 +12,7 @@ TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.minillm-installed
 NB_TIMEOUT ?= 600
 
-.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser test-clients exercises check-exercises bench train-draft llama-cpp clean-venv
+.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser test-clients exercises check-exercises bench train-draft train-eagle llama-cpp clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -88,6 +88,12 @@ bench: $(STAMP)
 # chapter 07's learned draft: Medusa heads self-distilled on the bundled model (CPU, ~10-20 min)
 train-draft: $(STAMP)
 	$(BIN)/python -m minillm.spec.train_medusa --threads 2 --report benchmarks/results/medusa_train_cpu.json
+
+# chapter 07's EAGLE drafter: the model writes its own conversations (.cache/eagle, resumable
+# pieces), then one decoder layer learns on its features (resumable pieces); CPU, 2 threads
+train-eagle: $(STAMP)
+	$(BIN)/python -m minillm.spec.eagle_data --out .cache/eagle --shards 12 --budget-s 100000
+	$(BIN)/python -m minillm.spec.train_eagle --data .cache/eagle --budget-s 100000 --report benchmarks/results/eagle_train_cpu.json
 
 # optional (chapter 12, benchmarks/bench_engine.py --systems llama_cpp): llama-cpp-python built
 # from source with the native CPU flags (AVX-512, BF16, ...), ~15 min on 2 cores; make test never

@@ -8,6 +8,12 @@ open-ended one, at several temperatures; acceptance per draft position. Methods:
     ngram        prompt lookup (num_speculative_tokens K, prompt_lookup_min 1, max 4)
     medusa       the committed Medusa heads (minillm/spec/weights), K <= 4
     draft_model  the target with some layers skipped (a cheaper variant of the same model)
+    eagle        the committed EAGLE drafter (minillm/spec/eagle.py), FR-Spec reduced head
+    eagle_full   the same drafter with the target's full LM head
+    eagle_tree   the drafter's top `--tree-branches` first tokens, each continued to depth K,
+                 verified in one forward with the tree mask (spec/tree.py; greedy rows only)
+
+`--head-cost` also times one EAGLE draft step with each head (the cost FR-Spec removes).
 
 The methods run side by side: for every prompt each method runs once, in rotating order, so
 machine load hits them alike. Speedup = that method's tokens/s / none's tokens/s, from the
@@ -45,10 +51,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minillm  # noqa: E402
 from minillm import SamplingParams, spec  # noqa: E402
+from minillm.spec.eagle import DEFAULT_EAGLE_WEIGHTS  # noqa: E402
 from minillm.spec.prompts import chat, grounded_prompts, open_prompts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("none", "ngram", "medusa", "draft_model")
+METHODS = ("none", "ngram", "medusa", "draft_model", "eagle", "eagle_full", "eagle_tree")
 
 
 def parse_args(argv=None):
@@ -62,6 +69,11 @@ def parse_args(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--draft-skip", default="4,8,12,16,20,24",
                    help="layers the draft_model variant skips")
+    p.add_argument("--sets", default="grounded,open", help="prompt sets of the batch-1 part")
+    p.add_argument("--sweep-methods", default="ngram", help="methods of the batch-size sweep")
+    p.add_argument("--sweep-set", default="grounded", help="the sweep's replicated prompt")
+    p.add_argument("--head-cost", action="store_true", help="time EAGLE's two heads")
+    p.add_argument("--tree-branches", type=int, default=2)
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--sweep-max-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
@@ -75,6 +87,42 @@ def ngram_config(args) -> dict:
                 prompt_lookup_max=4)
 
 
+def eagle_config(args, head: str) -> dict:
+    return dict(method="eagle", num_speculative_tokens=args.k, draft_head=head)
+
+
+def sweep_config(args, method: str) -> dict:
+    return {"ngram": ngram_config, "eagle": lambda a: eagle_config(a, "reduced"),
+            "eagle_full": lambda a: eagle_config(a, "full")}[method](args)
+
+
+def head_cost(model, reps: int = 200) -> dict:
+    """Seconds per EAGLE draft step (one token through the drafter and its head), with the
+    reduced FR-Spec head and with the full LM head, and one plain target decode step."""
+    from minillm.spec.eagle import EagleDrafter, new_state
+    d = EagleDrafter.load(DEFAULT_EAGLE_WEIGHTS, model)
+    C = model.config.hidden_size
+    out = {"draft_vocab": len(d.draft_vocab), "vocab": model.config.vocab_size}
+    with torch.inference_mode():
+        for name, reduced in (("reduced", True), ("full", False)):
+            st = new_state(d, reps + 8, model.lm_head.weight)
+            g, nxt = torch.zeros(1, 1, C, device=model.device), torch.tensor([[1]])
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                g = d(model, g, nxt, st.cache)
+                d.logits(model, g[0], reduced).argmax(-1)
+            out[f"draft_step_{name}_ms"] = round(1e3 * (time.perf_counter() - t0) / reps, 3)
+        from minillm.cache.contiguous import ContiguousKVCache
+        cache = ContiguousKVCache(model.config, 1, reps + 8, dtype=model.dtype,
+                                  device=model.device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            model(torch.tensor([[1]], device=model.device), cache=cache)
+        out["target_decode_step_ms"] = round(1e3 * (time.perf_counter() - t0) / reps, 3)
+    print(json.dumps(out), flush=True)
+    return out
+
+
 def proposers(model, args):
     """The engine's own proposer objects (build_proposer, as minillm.LLM builds them), one per
     method; the batch-1 loop asks them for a batch of one."""
@@ -83,9 +131,14 @@ def proposers(model, args):
     configs = {"ngram": lambda: ngram_config(args),
                "medusa": lambda: dict(method="medusa", num_speculative_tokens=args.k),
                "draft_model": lambda: dict(method="draft_model", num_speculative_tokens=args.k,
-                                           model=spec.skip_layer_model(model, skip))}
+                                           model=spec.skip_layer_model(model, skip)),
+               "eagle": lambda: eagle_config(args, "reduced"),
+               "eagle_full": lambda: eagle_config(args, "full"),
+               "eagle_tree": lambda: eagle_config(args, "reduced")}
     if not spec.DEFAULT_WEIGHTS.exists():
         del configs["medusa"]
+    if not DEFAULT_EAGLE_WEIGHTS.exists():
+        del configs["eagle"], configs["eagle_full"], configs["eagle_tree"]
     out = {"none": None} if "none" in wanted else {}
     out.update({m: spec.build_proposer(make(), model)
                 for m, make in configs.items() if m in wanted})
@@ -105,10 +158,11 @@ def _per_prompt(runs, base) -> list:
 
 def batch1(model, tok, args, props) -> list:
     rows = []
-    sets = {"grounded": chat(tok, grounded_prompts(args.num_prompts)),
-            "open": chat(tok, open_prompts(args.num_prompts))}
-    names = list(props)
+    sets = {"grounded": lambda: chat(tok, grounded_prompts(args.num_prompts)),
+            "open": lambda: chat(tok, open_prompts(args.num_prompts))}
+    sets = {name: make() for name, make in sets.items() if name in args.sets.split(",")}
     for temp in [float(t) for t in args.temperatures.split(",") if t]:
+        names = [m for m in props if not (m == "eagle_tree" and temp > 0)]    # greedy tree only
         for set_name, prompts in sets.items():
             acc = {m: dict(tokens=0, time=0.0, stats=spec.SpecStats(), outs=[], per_prompt=[])
                    for m in names}
@@ -118,8 +172,12 @@ def batch1(model, tok, args, props) -> list:
                     sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=i)
                     st = spec.SpecStats()
                     t0 = time.perf_counter()
-                    out = spec.speculative_generate(model, tok, prompt, props[m], args.k,
-                                                    args.max_tokens, sp, stats=st)
+                    if m == "eagle_tree":
+                        out = spec.tree_generate(model, tok, prompt, props[m], args.k,
+                                                 args.max_tokens, args.tree_branches, stats=st)
+                    else:
+                        out = spec.speculative_generate(model, tok, prompt, props[m], args.k,
+                                                        args.max_tokens, sp, stats=st)
                     dt = time.perf_counter() - t0
                     a = acc[m]
                     a["tokens"] += len(out)
@@ -153,12 +211,14 @@ def engine_sweep(model, tok, args) -> list:
     rows = []
     # one grounded prompt replicated B times: every batch size sees the same acceptance, so a
     # change of speedup with B is the batch's doing, not a different prompt mix's
-    prompts = chat(tok, grounded_prompts(1)) * max(int(b) for b in args.batch_sizes.split(","))
+    one = grounded_prompts(1) if args.sweep_set == "grounded" else open_prompts(1)
+    prompts = chat(tok, one) * max(int(b) for b in args.batch_sizes.split(","))
+    methods = [m for m in args.sweep_methods.split(",") if m]
     sp = SamplingParams(temperature=0.0, max_tokens=args.sweep_max_tokens)
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         res = {}
         for _rep in range(2):                                 # interleaved: A B A B
-            for name, cfg in (("none", None), ("ngram", ngram_config(args))):
+            for name, cfg in [("none", None)] + [(m, sweep_config(args, m)) for m in methods]:
                 llm = minillm.LLM((model, tok), num_kv_blocks=64 * bs, max_num_seqs=bs,
                                   speculative_config=cfg)
                 t0 = time.perf_counter()
@@ -171,12 +231,14 @@ def engine_sweep(model, tok, args) -> list:
                 r["acceptance_rate"] = st.acceptance_rate if st else None
         for name, r in res.items():
             t = statistics.median(r["times"])
-            rows.append(dict(batch_size=bs, method=name, output_tokens=r["tokens"],
+            rows.append(dict(batch_size=bs, method=name, prompt_set=args.sweep_set,
+                             output_tokens=r["tokens"],
                              seconds=round(t, 3), tokens_per_s=round(r["tokens"] / t, 3),
                              acceptance_rate=r["acceptance_rate"],
                              identical_to_plain_greedy=r["outs"] == res["none"]["outs"]))
-        base = rows[-2]["tokens_per_s"]
-        for r in rows[-2:]:
+        n = 1 + len(methods)
+        base = rows[-n]["tokens_per_s"]
+        for r in rows[-n:]:
             r["speedup"] = round(r["tokens_per_s"] / base, 3)
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -194,24 +256,28 @@ def plot(result, path):
     axes[0].set_ylabel("speedup vs plain decoding (batch 1, greedy)")
     axes[0].tick_params(axis="x", labelsize=7)
     for r in b1:
-        if r["set"] == "grounded" or r["method"] == "medusa":
+        if r["set"] == "grounded" or r["method"] in ("medusa", "eagle"):
             axes[1].plot(range(1, len(r["acceptance_by_position"]) + 1),
                          r["acceptance_by_position"], marker="o", label=f"{r['method']} {r['set']}")
     axes[1].set_xlabel("draft position")
     axes[1].set_ylabel("P(accepted | proposed), greedy")
     axes[1].set_ylim(0, 1.05)
     axes[1].legend(fontsize=7)
-    sw = [r for r in result["engine_sweep"] if r["method"] == "ngram"]
+    sw = [r for r in result["engine_sweep"] if r["method"] != "none"]
     if not sw:                                                # --batch-sizes "": no sweep
         axes[2].set_visible(False)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         return
-    axes[2].plot([r["batch_size"] for r in sw], [r["speedup"] for r in sw], marker="o")
+    for m in sorted({r["method"] for r in sw}):
+        pts = [r for r in sw if r["method"] == m]
+        axes[2].plot([r["batch_size"] for r in pts], [r["speedup"] for r in pts], marker="o",
+                     label=m)
+    axes[2].legend(fontsize=7)
     axes[2].axhline(1, color="k", lw=0.8)
     axes[2].set_xscale("log", base=2)
     axes[2].set_xlabel("batch size (engine, grounded prompts)")
-    axes[2].set_ylabel("ngram speedup")
+    axes[2].set_ylabel("speedup vs no speculation")
     fig.suptitle(f"speculative decoding, {result['device']}, {result['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -238,6 +304,7 @@ def main(argv=None):
         model="smollm2-135m", k=args.k, max_tokens=args.max_tokens,
         draft_model=f"SmolLM2-135M skipping layers {args.draft_skip}",
         load_average_before=load_before)
+    result["head_cost"] = head_cost(model) if args.head_cost else None
     result["batch1"] = batch1(model, tok, args, props)
     result["engine_sweep"] = engine_sweep(model, tok, args) if args.batch_sizes else []
     result["load_average_after"] = os.getloadavg()

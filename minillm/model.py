@@ -331,3 +331,28 @@ class capture_hidden:
             self._h.remove()
         return False
 
+
+class capture_features:
+    """Context manager: record the last decoder layer's output for EVERY position of a forward
+    (before the final norm and before the logits rows are picked). `.value` is [B, T, C] after
+    a forward that ran once; None when disabled or when the model ran more than once inside.
+    The EAGLE drafter reads the target's features from it (chapter 07); off, it adds nothing."""
+
+    def __init__(self, model, enabled: bool = True):
+        self.model, self.enabled, self.value, self._h, self._calls = model, enabled, None, None, 0
+
+    def __enter__(self):
+        if self.enabled:
+            self._h = self.model.layers[-1].register_forward_hook(self._record)
+        return self
+
+    def _record(self, mod, inp, out):
+        self._calls += 1
+        self.value = out if self._calls == 1 else None
+
+    def __exit__(self, *exc):
+        if self._h is not None:
+            self._h.remove()
+            if self._calls > 1:
+                self.value = None
+        return False

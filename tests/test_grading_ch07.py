@@ -15,6 +15,7 @@ GRADED = {
     "rejection_sample": ch07.REJECTION,
     "ngram_propose": ch07.NGRAM,
     "expected_speedup": ch07.SPEEDUP,
+    "tree_attention_mask": ch07.TREE_MASK,
 }
 
 (test_solution_scores_full_marks, test_unfilled_exercise_fails_every_check,
@@ -23,7 +24,8 @@ GRADED = {
 
 def test_chapter_lists_its_exercises_for_batch_grading():
     assert [e.id for e in ch07.EXERCISES] == ["ch07.residual", "ch07.rejection_sample",
-                                             "ch07.ngram_propose", "ch07.expected_speedup"]
+                                             "ch07.ngram_propose", "ch07.expected_speedup",
+                                             "ch07.tree_attention_mask"]
 
 
 # ------------------------------------------------------------------ planted bugs
@@ -109,6 +111,30 @@ def speedup_no_target_cost(alpha, k, c):
     return t / max(k * c, 1e-12)
 
 
+def mask_causal(parents):
+    n = len(parents)
+    return torch.ones(n, n).tril().bool()
+
+
+def mask_parent_only(parents):
+    n = len(parents)
+    m = torch.eye(n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i, p] = True
+    return m
+
+
+def mask_transposed(parents):
+    from minillm.spec.tree import tree_mask
+    return tree_mask(parents).T
+
+
+def mask_without_self(parents):
+    from minillm.spec.tree import tree_mask
+    return tree_mask(parents) & ~torch.eye(len(parents), dtype=torch.bool)
+
+
 BUGS = [
     ("residual_distribution", residual_not_renormalised, "sums to 1", "without renormalising"),
     ("residual_distribution", residual_backwards, "equals max", "where the TARGET wants more"),
@@ -121,6 +147,10 @@ BUGS = [
     ("ngram_propose", ngram_shortest_first, "longest", "longest n that matches wins"),
     ("expected_speedup", speedup_alpha_k, "free draft", "a^(k+1)"),
     ("expected_speedup", speedup_no_target_cost, "k c + 1", "verification pass counts too"),
+    ("tree_attention_mask", mask_causal, "siblings", "causal mask"),
+    ("tree_attention_mask", mask_parent_only, "every ancestor", "is an ancestor of"),
+    ("tree_attention_mask", mask_transposed, "chain", "QUERY node"),
+    ("tree_attention_mask", mask_without_self, "chain", "must see itself"),
 ]
 (test_planted_bug_is_caught_with_a_specific_message,
  test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)

@@ -372,7 +372,7 @@ def test_build_proposer_one_class_per_method(tiny):
     with pytest.raises(ValueError, match="lower it to <= 3"):
         build_proposer(dict(method="medusa", num_speculative_tokens=4, weights=heads), tiny)
     with pytest.raises(ValueError, match="unknown speculative method"):
-        build_proposer(dict(method="eagle", num_speculative_tokens=2), tiny)
+        build_proposer(dict(method="lookahead", num_speculative_tokens=2), tiny)
     with pytest.raises(ValueError, match="hidden state"):
         built["medusa"].propose(_asks(tiny, [2], SamplingParams(), hidden=False))
 

@@ -121,6 +121,7 @@ class LLMEngine:
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
                                   num_cpu_blocks, needs_hidden=self.proposer.needs_hidden,
+                                  needs_features=self.proposer.needs_features,
                                   kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
                                   max_num_seqs=max_num_seqs)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -288,7 +289,7 @@ class LLMEngine:
                 update = self.scheduler.update_from_output(sched, result, self._check_stop)
                 self._record_logprobs(sched, update, result)
                 self._record_spec(result)
-                self._propose(update, result.hidden)
+                self._propose(update, result.hidden, result.features)
         except BaseException:
             self.scheduler.requeue_all()
             self._unreturned = finished + self._unreturned   # returned by the next step
@@ -327,7 +328,7 @@ class LLMEngine:
         for seq_id, k in result.num_drafts.items():
             self.spec_stats.record(k, len(result.sampled[seq_id]) - 1)
 
-    def _propose(self, update: StepUpdate, hidden: dict) -> None:
+    def _propose(self, update: StepUpdate, hidden: dict, features: dict = None) -> None:
         """Drafts for every request that just got tokens and keeps decoding. Drafts only
         change speed, never output, so a proposer error costs nothing but the drafts."""
         live = [req for req, _ in update.emitted if not req.is_finished]
@@ -342,7 +343,8 @@ class LLMEngine:
         todo = [(req, room(req, k_max, ctx)) for req in live]
         todo = [(req, k) for req, k in todo if k > 0]
         asks = [DraftRequest(req.prompt_token_ids + req.output_token_ids, k, req.params,
-                             req.generator, hidden.get(req.seq_id), req.draft_state)
+                             req.generator, hidden.get(req.seq_id), req.draft_state,
+                             (features or {}).get(req.seq_id))
                 for req, k in todo]
         try:
             drafts = check_drafts(asks, self.proposer.propose(asks), self.proposer)

@@ -34,7 +34,7 @@ import torch
 
 from ..cache.paged import PagedKVCache, build_step_metadata, resolve_kv_cache_dtype
 from ..kvmath import kv_bytes_per_token
-from ..model import capture_hidden
+from ..model import capture_features, capture_hidden
 from ..sampling import apply_penalties, sample, token_logprobs
 from .cuda_graphs import build_graph_runner
 from .spec_decode import verify
@@ -68,6 +68,8 @@ class ModelRunnerOutput:
     errors: dict = field(default_factory=dict)       # seq_id -> why its step failed
     hidden: dict = field(default_factory=dict)       # seq_id -> [C] hidden state at its last token
                                                      # (only when the proposer needs it)
+    features: dict = field(default_factory=dict)     # seq_id -> [m, C] final-norm features of the
+                                                     # m positions it kept (EAGLE's proposer only)
     logprobs: dict = field(default_factory=dict)     # seq_id -> [{id: (logprob, rank)}] per
                                                      # sampled token (SamplingParams.logprobs)
     prompt_logprobs: dict = field(default_factory=dict)   # seq_id -> (first position, [{...}])
@@ -87,26 +89,27 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, model, block_manager, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0, needs_hidden: bool = False,
-                 kv_cache_dtype: str = "auto", enforce_eager: bool = True,
-                 max_num_seqs: int = 64):
+                 needs_features: bool = False, kv_cache_dtype: str = "auto",
+                 enforce_eager: bool = True, max_num_seqs: int = 64):
         self.model = model
         self.bm = block_manager
         self.device = model.device
         self.block_size = block_size
-        self.needs_hidden = needs_hidden
+        self.needs_hidden, self.needs_features = needs_hidden, needs_features
         self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype,
                                   device=model.device, num_cpu_blocks=num_cpu_blocks,
                                   block_manager=block_manager, kv_cache_dtype=kv_cache_dtype)
         # decode steps replayed from CUDA graphs (chapter 12); NoGraphs on CPU / when eager
         self.graphs = build_graph_runner(model, self.cache, max_num_seqs, enforce_eager,
-                                         needs_hidden)
+                                         needs_hidden or needs_features)
 
     # --- one step ------------------------------------------------------------------------------
     def execute(self, sched) -> ModelRunnerOutput:
         """Block copies, ONE forward over the ragged batch, then sampling / verification."""
         out = ModelRunnerOutput()
         self.copy_blocks(sched)
-        with capture_hidden(self.model, self.needs_hidden) as cap:
+        with capture_hidden(self.model, self.needs_hidden) as cap, \
+                capture_features(self.model, self.needs_features) as feats:
             logits, samplers, prompt_rows = self._forward(sched.scheduled, out.errors)  # [S, V]
         hidden = (cap.value[0] if cap.value is not None and cap.value.shape[1] == len(logits)
                   else None)
@@ -121,7 +124,21 @@ class ModelRunner:
         self._process_logits(logits, samplers, out)
         self._sample(logits, samplers, hidden, out)
         self._sampled_logprobs(raw, samplers, out)
+        if feats.value is not None:
+            self._features(sched.scheduled, feats.value[0], out)
         return out
+
+    def _features(self, scheduled, x, out: ModelRunnerOutput) -> None:
+        """EAGLE (chapter 07): each sampled sequence's features at the positions this step
+        computed and keeps (a verification keeps the last token's and the accepted drafts'),
+        x [T, C] = the last layer's output over the step's flat row."""
+        offset = 0
+        for req, n in scheduled:
+            k = req.num_computed_tokens + n - req.num_tokens          # drafts verified
+            if k >= 0 and req.seq_id in out.sampled:
+                kept = n - k + len(out.sampled[req.seq_id]) - 1
+                out.features[req.seq_id] = self.model.norm(x[offset:offset + kept])   # [m, C]
+            offset += n
 
     def prepare(self, scheduled) -> StepInputs:
         """Flatten [(request, num_new_tokens)] into the step's tensors (built once per step)."""

@@ -13,6 +13,9 @@ package. With a speculative_config, `build_proposer` builds the method's propose
     "ngram"        NgramProposer       the tokens (prompt lookup)   none (one-hot drafts)
     "medusa"       MedusaProposer      the target's hidden row      the heads' q
     "draft_model"  DraftModelProposer  its own KV cache per seq     the draft model's q
+    "eagle"        EagleProposer       the target's features of     the drafter's q
+                                       the kept positions, its own
+                                       one-layer KV cache per seq
 
 How a step changes (the rest of the engine is chapter 04's):
   1. After a request samples, the engine asks the proposer for its next k tokens, k = `room`:
@@ -60,6 +63,9 @@ class DraftRequest:
     hidden: Optional[torch.Tensor] = None   # [C] target hidden state that produced the last
                                             # token (Medusa)
     state: object = None            # this proposer's per-sequence state from the last call, or None
+    features: Optional[torch.Tensor] = None  # [m, C] target features (final-norm output) of the
+                                             # m positions before the last token that the last
+                                             # step computed and kept (EAGLE), or None
 
 
 @dataclass
@@ -72,7 +78,7 @@ class Draft:
 
 class NoProposer:
     """Speculation off: proposes nothing (the null object chapter 04's engine runs with)."""
-    needs_hidden = False
+    needs_hidden = needs_features = False
     num_speculative_tokens = 0
 
     def propose(self, requests: list) -> list:

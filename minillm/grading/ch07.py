@@ -4,6 +4,7 @@
     ch07.check_rejection_sample(rejection_sample) # (b) one verification step, exact in distribution
     ch07.check_ngram_propose(ngram_propose)       # (c) prompt lookup: longest, latest match
     ch07.check_expected_speedup(expected_speedup) # (d) (1 - a^(k+1)) / ((1 - a)(k c + 1))
+    ch07.check_tree_attention_mask(tree_attention_mask)  # (e) the mask of a token tree
 
 References: minillm.spec (rejection.residual, ngram.ngram_propose, theory.speedup) and, for the
 sampler, the target distribution itself: the learner's sampler runs many times with a seeded
@@ -20,6 +21,7 @@ import torch
 from ..spec import theory
 from ..spec.ngram import ngram_propose as _ref_ngram
 from ..spec.rejection import residual as _ref_residual
+from ..spec.tree import tree_mask as _ref_tree_mask
 from .core import Check, Exercise, Problem
 
 
@@ -374,4 +376,69 @@ def check_expected_speedup(expected_speedup, time_limit=None):
     return SPEEDUP.check(expected_speedup, time_limit)
 
 
-EXERCISES = (RESIDUAL, REJECTION, NGRAM, SPEEDUP)
+# =========================================================================== (e) tree mask
+
+def _tm(fn, parents) -> torch.Tensor:
+    out = fn(list(parents))
+    n = len(parents)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (n, n):
+        raise Problem(f"tree_attention_mask({parents}) returned "
+                      f"{getattr(out, 'shape', type(out).__name__)}; return a [{n}, {n}] tensor")
+    return out.bool()
+
+
+def _tm_expect(fn, parents, what):
+    got, want = _tm(fn, parents), _ref_tree_mask(parents)
+    if torch.equal(got, want):
+        return
+    i, j = [int(x) for x in (got != want).nonzero()[0]]
+    hints = []
+    if not got.diagonal().all():
+        hints.append("a node must see itself (its own key is in its row)")
+    if torch.equal(got, want.T):
+        hints.append("row i is the QUERY node i: it sees its ancestors, the lower-left")
+    if torch.equal(got, torch.ones(len(parents), len(parents)).tril().bool()):
+        hints.append("that is the causal mask: in a tree, a node does not see a sibling's branch")
+    ancestor = want[i, j]
+    raise Problem(f"for parents={parents} ({what}), mask[{i}, {j}] is {bool(got[i, j])}, but node "
+                  f"{j} is {'an ancestor of (or equal to)' if ancestor else 'not an ancestor of'}"
+                  f" node {i}{' -- ' + '; '.join(hints) if hints else ''}")
+
+
+def _tm_chain(fn):
+    _tm_expect(fn, [-1, 0, 1, 2], "a chain: its mask is the causal one")
+
+
+def _tm_star(fn):
+    _tm_expect(fn, [-1, 0, 0, 0], "three siblings under the root")
+
+
+def _tm_deep(fn):
+    _tm_expect(fn, [-1, 0, 0, 1, 1, 2, 3], "a node at depth 3 sees its grandparent too")
+
+
+def _tm_single(fn):
+    _tm_expect(fn, [-1], "the root alone")
+
+
+def _tm_random(fn):
+    rng = random.Random(11)
+    for _ in range(50):
+        n = rng.randint(2, 12)
+        _tm_expect(fn, [-1] + [rng.randrange(i) for i in range(1, n)], "a random tree")
+
+
+TREE_MASK = Exercise("ch07.tree_attention_mask", "tree_attention_mask", (
+    Check("a chain gives the causal mask", _tm_chain),
+    Check("siblings do not see each other", _tm_star),
+    Check("a node sees every ancestor, not only its parent", _tm_deep),
+    Check("a one-node tree", _tm_single),
+    Check("agrees with minillm on 50 random trees", _tm_random),
+))
+
+
+def check_tree_attention_mask(tree_attention_mask, time_limit=None):
+    return TREE_MASK.check(tree_attention_mask, time_limit)
+
+
+EXERCISES = (RESIDUAL, REJECTION, NGRAM, SPEEDUP, TREE_MASK)

@@ -23,7 +23,7 @@ import torch
 from ..cache.contiguous import ContiguousKVCache
 from ..engine.spec_decode import Draft, DraftRequest, check_drafts
 from ..generate import _check_room, encode_prompt, eos_token_id, stop_reason
-from ..model import capture_hidden
+from ..model import capture_features, capture_hidden
 from ..sampling import SamplingParams, make_generator, sample
 from .rejection import verify
 from .stats import SpecStats
@@ -51,10 +51,13 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
                               dtype=model.dtype, device=model.device)
     gen, eos = make_generator(sampling.seed, model.device), eos_token_id(tok)
     needs_hidden = proposer is not None and proposer.needs_hidden
-    with capture_hidden(model, needs_hidden) as cap:
+    needs_features = proposer is not None and proposer.needs_features        # EAGLE
+    with capture_hidden(model, needs_hidden) as cap, \
+            capture_features(model, needs_features) as fcap:
         logits = model(input_ids, cache=cache, last_only=True)     # prefill [1, 1, V]
     stats.num_target_forwards += 1
     hidden = cap.value[0, -1] if needs_hidden else None            # [C]
+    feats = model.norm(fcap.value[0]) if needs_features else None  # [T, C] every position
     out = [int(sample(logits[:, -1], sampling, gen))]
     tokens = input_ids[0].tolist() + out
     state = None                                  # the proposer's state for this sequence
@@ -63,13 +66,14 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
         draft = Draft([], None, state)
         if k > 0:
             td = time.perf_counter()
-            ask = [DraftRequest(list(tokens), k, sampling, gen, hidden, state)]
+            ask = [DraftRequest(list(tokens), k, sampling, gen, hidden, state, feats)]
             draft = check_drafts(ask, proposer.propose(ask), proposer)[0]
             state = draft.state
             stats.draft_time += time.perf_counter() - td
         x = torch.tensor([[tokens[-1]] + list(draft.token_ids)], device=model.device)  # [1, 1 + k']
         start = cache.seq_len
-        with capture_hidden(model, needs_hidden) as cap:
+        with capture_hidden(model, needs_hidden) as cap, \
+                capture_features(model, needs_features) as fcap:
             logits = model(x, cache=cache)[0]                      # [1 + k', V]
         stats.num_target_forwards += 1
         emitted = verify(logits, draft.token_ids, draft.probs, sampling, gen)
@@ -78,6 +82,61 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
         cache.seq_len = start + 1 + accepted                       # roll back rejected positions
         if needs_hidden:
             hidden = cap.value[0, accepted]                        # [C] row of the last emitted
+        if needs_features:                                         # the kept positions' features
+            feats = model.norm(fcap.value[0, :accepted + 1])       # [accepted + 1, C]
+        for t in emitted:
+            out.append(t)
+            tokens.append(t)
+            if stop_reason(sampling, out, eos, max_new_tokens):
+                break
+    stats.num_emitted_tokens += len(out)
+    stats.total_time += time.perf_counter() - t0
+    return out
+
+
+@torch.inference_mode()
+def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
+                  max_new_tokens: int = 32, branches: int = 2,
+                  stats: Optional[SpecStats] = None) -> list:
+    """Greedy decoding with EAGLE TREE drafts (tree.py), batch 1: the drafter's top `branches`
+    first tokens, each continued to depth k, verified in ONE target forward with the tree mask
+    and per-node positions; the longest branch the target agrees with is kept (its K/V
+    compacted, the rest dropped). The same new token ids as plain greedy decoding."""
+    from .eagle import draft_tree, new_state
+    from .tree import accept_walk, compact, tree_forward
+    stats = stats if stats is not None else SpecStats()
+    t0 = time.perf_counter()
+    input_ids = encode_prompt(model, tok, prompt)                  # [1, T]
+    T = input_ids.shape[1]
+    k = _check_k(num_speculative_tokens)
+    _check_room(model, T, max_new_tokens + branches * k)
+    cache = ContiguousKVCache(model.config, 1, T + max_new_tokens + branches * k + 1,
+                              dtype=model.dtype, device=model.device)
+    eos, sampling = eos_token_id(tok), SamplingParams(temperature=0.0)
+    with capture_features(model) as fcap:
+        logits = model(input_ids, cache=cache, last_only=True)     # prefill [1, 1, V]
+    feats = model.norm(fcap.value[0])                              # [T, C]
+    out = [int(logits[0, -1].argmax())]
+    tokens = input_ids[0].tolist() + out
+    state = new_state(proposer.drafter, T + max_new_tokens + k + 1, model.lm_head.weight)
+    stats.num_target_forwards += 1
+    while not stop_reason(sampling, out, eos, max_new_tokens):
+        kk = min(k, max_new_tokens - len(out) - 1)
+        td = time.perf_counter()
+        if kk > 0:
+            nodes, parents = draft_tree(proposer.drafter, model, state, tokens, feats, kk,
+                                        branches, proposer.reduced)
+        else:
+            nodes, parents = [tokens[-1]], [-1]
+        stats.draft_time += time.perf_counter() - td
+        start = cache.seq_len
+        with capture_features(model) as fcap:
+            logits = tree_forward(model, cache, nodes, parents)     # [n, V]
+        stats.num_target_forwards += 1
+        emitted, path = accept_walk(logits, nodes, parents, greedy=True)
+        stats.record(kk, len(emitted) - 1)
+        compact(cache, start, path)
+        feats = model.norm(fcap.value[0, path])                    # [len(path), C]
         for t in emitted:
             out.append(t)
             tokens.append(t)

@@ -47,6 +47,14 @@ OPEN = [
     "Write a short poem about autumn.",
     "What should I pack for a weekend camping trip?",
     "Explain why exercise is good for health.",
+    "My friend is moving to another city. How can we stay close?",
+    "Write a short letter thanking a teacher.",
+    "What is a good way to start learning to cook?",
+    "Tell me a fun fact about space and explain it.",
+    "How do I make a small balcony feel more cozy?",
+    "Write a haiku about the sea, then explain its imagery.",
+    "What questions should I ask before adopting a pet?",
+    "Describe a busy morning at a train station.",
 ]
 
 

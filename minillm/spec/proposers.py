@@ -13,6 +13,9 @@ before any model is loaded) and `from_config(cfg, model)` (what `build_proposer`
                         one batched head pass for all requests
     DraftModelProposer  a smaller model with the same tokenizer, run autoregressively k times
                         per request on that request's own KV cache (Draft.state)
+    EagleProposer       one decoder layer on the target's features (eagle.py), k steps per
+                        request on its own small KV cache (Draft.state); needs the target's
+                        features of the positions each step kept (`needs_features`)
 
 The engine builds one of these once (`build_proposer`) and the batch-1 loop (loop.py) calls the
 same objects with a batch of one. A proposer keeps no per-sequence data: what it must remember
@@ -32,6 +35,7 @@ import torch
 from ..cache.contiguous import ContiguousKVCache
 from ..engine.spec_decode import Draft, DraftRequest
 from ..sampling import SamplingParams, probs
+from .eagle import DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_chain, new_state
 from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import check_lookup, ngram_propose
 
@@ -48,7 +52,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator=None):
 
 class NgramProposer:
     """Prompt lookup (ngram.py) for every request; one-hot drafts."""
-    needs_hidden = False
+    needs_hidden = needs_features = False
     config_keys = ("prompt_lookup_min", "prompt_lookup_max")     # speculative_config options
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
@@ -77,7 +81,7 @@ class NgramProposer:
 
 class MedusaProposer:
     """Heads on the target's hidden state at the position that produced the last token."""
-    needs_hidden = True
+    needs_hidden, needs_features = True, False
     config_keys = ("weights",)             # a MedusaHeads or a file; default DEFAULT_WEIGHTS
 
     def __init__(self, model, heads: MedusaHeads, num_speculative_tokens: int = None):
@@ -124,7 +128,7 @@ class DraftModelProposer:
     """A separate draft model, run per request on that request's cache (DraftModelState). Each
     call rolls the cache back to the longest prefix it shares with the request's tokens (the
     target rejected the rest), feeds the new tokens, then drafts k tokens one at a time."""
-    needs_hidden = False
+    needs_hidden = needs_features = False
     config_keys = ("model", "draft_num_layers")   # a model or checkpoint; else the first layers
 
     def __init__(self, draft_model, num_speculative_tokens: int = 4):
@@ -201,6 +205,49 @@ class DraftModelProposer:
         state.cache = bigger
 
 
+class EagleProposer:
+    """The EAGLE drafter (eagle.py) for every request, one chain of k drafts each, on the
+    request's own drafter cache (EagleState, kept across steps in Draft.state)."""
+    needs_hidden, needs_features = False, True
+    config_keys = ("eagle_weights", "draft_head")     # a file or EagleDrafter; "reduced" | "full"
+
+    def __init__(self, model, drafter: EagleDrafter, num_speculative_tokens: int = 4,
+                 draft_head: str = "reduced"):
+        drafter.check_model(model)
+        self.model, self.num_speculative_tokens = model, num_speculative_tokens
+        self.drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
+        self.reduced = draft_head == "reduced"
+
+    @staticmethod
+    def check_config(cfg: dict) -> dict:
+        cfg.setdefault("draft_head", "reduced")
+        if cfg["draft_head"] not in ("reduced", "full"):
+            raise ValueError(f"draft_head must be 'reduced' (the FR-Spec head over the most "
+                             f"frequent tokens) or 'full' (the target's LM head), got "
+                             f"{cfg['draft_head']!r}")
+        return cfg
+
+    @classmethod
+    def from_config(cls, cfg: dict, model) -> "EagleProposer":
+        drafter = cfg.get("eagle_weights", DEFAULT_EAGLE_WEIGHTS)    # an EagleDrafter or a file
+        if not isinstance(drafter, EagleDrafter):
+            drafter = EagleDrafter.load(drafter, model)
+        return cls(model, drafter, cfg["num_speculative_tokens"], cfg["draft_head"])
+
+    @torch.inference_mode()
+    def propose(self, requests: list) -> list:
+        return [self._propose_one(r) for r in requests]
+
+    def _propose_one(self, r: DraftRequest) -> Draft:
+        state = r.state if isinstance(r.state, EagleState) else new_state(
+            self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts,
+            self.model.lm_head.weight)
+        ids, qs = draft_chain(self.drafter, self.model, state, list(r.token_ids), r.features,
+                              r.num_drafts, lambda lg: draw(lg, r.params, r.generator),
+                              self.reduced)
+        return Draft(ids, torch.stack(qs) if qs else None, state)
+
+
 def early_exit_model(model, num_layers: int):
     """A cheaper variant of `model` that shares its weights: only the first num_layers decoder
     layers, then the model's own final norm and lm_head (early exit, as in LayerSkip). Costs about
@@ -235,7 +282,9 @@ def layer_subset_model(model, keep: list, tag: str = "subset"):
     return draft
 
 
-PROPOSERS = {"ngram": NgramProposer, "medusa": MedusaProposer, "draft_model": DraftModelProposer}
+PROPOSERS = {"ngram": NgramProposer, "medusa": MedusaProposer, "draft_model": DraftModelProposer,
+             "eagle": EagleProposer}
 
-__all__ = ["NgramProposer", "MedusaProposer", "DraftModelProposer", "DraftModelState", "PROPOSERS",
+__all__ = ["NgramProposer", "MedusaProposer", "DraftModelProposer", "DraftModelState",
+           "EagleProposer", "PROPOSERS",
            "early_exit_model", "skip_layer_model", "draw"]

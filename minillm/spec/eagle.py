@@ -1,0 +1,267 @@
+"""An EAGLE-style drafter (chapter 07): one decoder layer that runs on the target's own features.
+
+EAGLE (Li et al. 2024) drafts at the level of features, not tokens. The target's feature f_p is
+its hidden state at position p after the final norm: the vector its LM head turns into the
+distribution of token p + 1. The drafter is ONE decoder layer of the target's shape, fed at
+position p with f_p and the embedding of the token that f_p produced, x_{p+1}:
+
+    g_p = Block(fc([embed(x_{p+1}) ; f_p]))      fc: 2C -> C, Block: the target's layer shape
+    g_p ~ f_{p+1}                                the next feature ...
+    head(g_p) -> x_{p+2}                         ... and through an LM head, the next token
+
+Drafting k tokens after the target produced x_N (features known up to f_{N-1}):
+
+    step 1: feed the positions whose true features are new (up to N - 1) -> g_{N-1} -> draft d_1
+    step j: feed (g, d_{j-1}) at the next position (the drafter's OWN feature, not the target's)
+            -> the next g -> draft d_j
+
+Unlike Medusa's heads, each guess sees the guesses before it (through the fed-back token and
+feature), so later positions degrade more slowly.
+
+The drafter's KV (`EagleState`, one small contiguous cache per sequence) is CACHED across steps:
+positions fed with the target's true features stay; positions fed with the drafter's own guesses
+are dropped after every call (the cache's length is set back), so a rejection needs no other
+rollback: the next call feeds the accepted tokens' true features at those positions. When the
+true features of some positions never reached the proposer (a prompt computed in several chunks,
+a prefix-cache hit, a forked sample), it recomputes them with one no-cache target pass.
+
+The head: the target's own LM head (49,152 rows for SmolLM2: 28M multiply-adds per draft token,
+about a fifth of the whole 135M-parameter target) or an FR-Spec-style reduced head (Zhao et al.
+2025): only the rows of the `draft_vocab` most frequent tokens of the training answers. Drafts
+outside it are never proposed; the rejection sampler stays exact because the draft distribution
+q is zero there, so the target's own token is sampled whenever it lies outside.
+
+Trained by `python -m minillm.spec.train_eagle` (`make train-eagle`) on the data of
+`minillm.spec.eagle_data`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..cache.contiguous import ContiguousKVCache
+from ..model import Block
+from .medusa import WEIGHTS_DIR, hidden_states, model_fingerprint
+
+DEFAULT_EAGLE_WEIGHTS = WEIGHTS_DIR / "eagle_smollm2-135m.safetensors"
+FIX = ("train a drafter for this model with `make train-eagle` (python -m "
+       "minillm.spec.train_eagle) or use method 'ngram'")
+
+
+class EagleDrafter(nn.Module):
+    def __init__(self, cfg, draft_vocab: Optional[torch.Tensor] = None, model_name: str = "",
+                 fingerprint: str = ""):
+        super().__init__()
+        C = cfg.hidden_size
+        self.config = dataclasses.replace(cfg, num_layers=1, name=f"{cfg.name}-eagle")
+        self.hidden_size, self.vocab_size = C, cfg.vocab_size
+        self.model_name, self.fingerprint = model_name, fingerprint
+        self.fc = nn.Linear(2 * C, C, bias=True)
+        self.layer = Block(self.config, 0)
+        ids = torch.arange(0) if draft_vocab is None else draft_vocab.to(torch.long)
+        self.register_buffer("draft_vocab", ids)       # [V'] FR-Spec rows; empty: no reduced head
+        self.use_reduced = draft_vocab is not None
+        self._head = None                              # (weight, source) cache of the head
+
+    @classmethod
+    def for_model(cls, model, draft_vocab=None) -> "EagleDrafter":
+        d = cls(model.config, draft_vocab, model.config.name, model_fingerprint(model))
+        C = model.config.hidden_size
+        with torch.no_grad():      # start as the identity g_p = f_p: the target's last layer
+            d.layer.load_state_dict(model.layers[-1].state_dict())   # with its two output
+            d.layer.self_attn.o_proj.weight.zero_()                  # projections zeroed, and fc
+            d.layer.mlp.down_proj.weight.zero_()                     # passing f_p through
+            d.fc.weight.zero_()
+            d.fc.weight[:, C:] = torch.eye(C)
+            d.fc.bias.zero_()
+        return d.to(device=model.device, dtype=model.dtype)
+
+    def forward(self, model, features: torch.Tensor, next_ids: torch.Tensor,
+                cache: Optional[ContiguousKVCache] = None, start: int = 0) -> torch.Tensor:
+        """features [B, T, C] (f_p), next_ids [B, T] (x_{p+1}) -> g [B, T, C] (~ f_{p+1}).
+        With a cache the T positions continue it (and advance it); without, they start at
+        `start` and attend causally among themselves."""
+        B, T = next_ids.shape
+        if cache is not None:
+            start = cache.seq_len
+        positions = torch.arange(start, start + T, device=next_ids.device).expand(B, T)
+        cos, sin = model.rope(positions)
+        x = self.fc(torch.cat([model.embed_tokens(next_ids), features.to(self.fc.weight.dtype)],
+                              dim=-1))                                  # [B, T, C]
+        g = self.layer(x, cos, sin, cache)
+        if cache is not None:
+            cache.advance(T)
+        return g
+
+    def head_weight(self, model, reduced: bool = True) -> torch.Tensor:
+        """The LM head's rows the drafter scores: [V', C] (FR-Spec) or the full [V, C]."""
+        if not (reduced and self.use_reduced):
+            return model.lm_head.weight
+        if self._head is None or self._head[1] is not model.lm_head.weight:
+            self._head = (model.lm_head.weight[self.draft_vocab].contiguous(),
+                          model.lm_head.weight)
+        return self._head[0]
+
+    def logits(self, model, g: torch.Tensor, reduced: bool = True) -> torch.Tensor:
+        """g [..., C] -> logits over the full vocabulary [..., V]; with the reduced head, tokens
+        outside draft_vocab get -inf (never drafted)."""
+        w = self.head_weight(model, reduced)
+        small = g.to(w.dtype) @ w.T                                      # [..., V'] or [..., V]
+        if w is model.lm_head.weight:
+            return small
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.draft_vocab] = small
+        return full
+
+    def check_model(self, model) -> None:
+        cfg = model.config
+        if (cfg.hidden_size, cfg.vocab_size) != (self.hidden_size, self.vocab_size) or \
+                (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) != \
+                (self.config.num_heads, self.config.num_kv_heads, self.config.intermediate_size):
+            raise ValueError(f"this EAGLE drafter was trained for {self.model_name} (hidden size "
+                             f"{self.hidden_size}, vocabulary {self.vocab_size}), but the model "
+                             f"is {cfg.name} ({cfg.hidden_size}, {cfg.vocab_size}); {FIX}")
+        if self.fingerprint and model_fingerprint(model) != self.fingerprint:
+            raise ValueError(f"this EAGLE drafter was trained on {self.model_name}'s weights, "
+                             f"and this model's weights differ (e.g. random weights); {FIX}")
+
+    # --- files ------------------------------------------------------------------------------
+    def save(self, path: Union[str, Path], extra: dict = None) -> None:
+        from safetensors.torch import save_file
+        meta = {"model_name": self.model_name, "fingerprint": self.fingerprint,
+                "config": dataclasses.asdict(self.config), **(extra or {})}
+        state = {k: (v.detach().to(torch.float16) if v.is_floating_point() else v.detach())
+                 .cpu().contiguous() for k, v in self.state_dict().items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(path), metadata={"minillm": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path: Union[str, Path] = DEFAULT_EAGLE_WEIGHTS, model=None) -> "EagleDrafter":
+        """Load a drafter (fp16 on disk). With `model`, check it belongs to it (ValueError if not)
+        and move it to the model's device and dtype."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        from ..configs import ModelConfig
+        path = Path(path)
+        if not path.exists():
+            raise ValueError(f"no EAGLE weights at {path}; {FIX}")
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["minillm"])
+        state = load_file(str(path))
+        vocab = state["draft_vocab"] if state["draft_vocab"].numel() else None
+        cfg = ModelConfig(**{k: v for k, v in meta["config"].items()
+                             if k in {f.name for f in dataclasses.fields(ModelConfig)}})
+        d = cls(cfg, vocab, meta["model_name"], meta["fingerprint"])
+        d.meta = meta
+        d.load_state_dict({k: (v.float() if v.is_floating_point() else v)
+                           for k, v in state.items()})
+        if model is not None:
+            d.check_model(model)
+            d = d.to(device=model.device, dtype=model.dtype)
+        return d.eval()
+
+
+@dataclass
+class EagleState:
+    """One sequence's drafter state: its KV cache (positions 0 .. len(token_ids) - 2 hold the
+    drafter's K/V computed from the target's TRUE features) and the tokens they were fed with."""
+    cache: ContiguousKVCache
+    token_ids: list
+
+
+def new_state(drafter: EagleDrafter, size: int, like: torch.Tensor) -> EagleState:
+    size = min(size, drafter.config.max_position_embeddings)
+    return EagleState(ContiguousKVCache(drafter.config, 1, size, dtype=like.dtype,
+                                        device=like.device), [])
+
+
+def reserve(drafter: EagleDrafter, state: EagleState, num_tokens: int) -> None:
+    """Grow the state's cache (doubling, up to the context) to hold num_tokens positions."""
+    cache = state.cache
+    if num_tokens <= cache.max_len:
+        return
+    size = min(drafter.config.max_position_embeddings, max(num_tokens, 2 * cache.max_len))
+    bigger = ContiguousKVCache(drafter.config, 1, size, dtype=cache.k.dtype, device=cache.k.device)
+    bigger.k[:, :, :cache.max_len] = cache.k                  # [1, 1, max_len, KVH, D]
+    bigger.v[:, :, :cache.max_len] = cache.v
+    bigger.seq_len = cache.seq_len
+    state.cache = bigger
+
+
+def true_features(model, state: EagleState, token_ids: list, features) -> tuple:
+    """(first position to feed, the target's features [n, C] of positions start .. N - 2).
+    `features` [m, C] are the newest positions' features (N - 1 - m .. N - 2) from the engine,
+    or None; positions before those that the state lacks are recomputed (one target pass)."""
+    N = len(token_ids)
+    known = len(state.token_ids) - 1 if state.token_ids == token_ids[:len(state.token_ids)] else 0
+    start = max(0, min(known, N - 2))                          # feed at least one position
+    m = 0 if features is None else features.shape[0]
+    if m and N - 1 - m <= start:
+        return start, features[start - (N - 1 - m):]
+    ids = torch.tensor([token_ids[:N - 1]], device=model.device)
+    return start, hidden_states(model, ids)[0, start:]          # recompute: [N - 1 - start, C]
+
+
+@torch.inference_mode()
+def draft_chain(drafter: EagleDrafter, model, state: EagleState, token_ids: list, features,
+                k: int, draw, reduced: bool = True) -> tuple:
+    """k drafts after token_ids (the chain). `draw(logits [1, V]) -> (ids, q or None)` picks
+    each draft. Returns (draft ids, [q rows] or [])."""
+    N = len(token_ids)
+    start, feats = true_features(model, state, token_ids, features)          # [N - 1 - start, C]
+    reserve(drafter, state, N + k)
+    state.cache.seq_len = start
+    nxt = torch.tensor([token_ids[start + 1:N]], device=model.device)        # [1, N - 1 - start]
+    g = drafter(model, feats[None], nxt, state.cache)[:, -1:]                # [1, 1, C]
+    state.token_ids = list(token_ids)                          # true features up to N - 2
+    drafts, qs = [], []
+    for j in range(k):
+        ids, q = draw(drafter.logits(model, g[0], reduced))    # logits [1, V]
+        drafts += ids
+        if q is not None:
+            qs.append(q[0])
+        if j + 1 < k:
+            g = drafter(model, g, torch.tensor([ids], device=model.device), state.cache)
+    state.cache.seq_len = N - 1                                # forget the guessed positions
+    return drafts, qs
+
+
+@torch.inference_mode()
+def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list, features,
+               k: int, branches: int = 2, reduced: bool = True) -> tuple:
+    """A static tree for greedy verification (tree.py): the drafter's top `branches` tokens at
+    depth 1, each continued greedily to depth k. Returns (tokens [n], parents [n]) with node 0
+    the last token (the root): n = 1 + branches * k nodes, 1 + branches * (k - 1) drafter
+    passes."""
+    N = len(token_ids)
+    start, feats = true_features(model, state, token_ids, features)
+    reserve(drafter, state, N + k)
+    state.cache.seq_len = start
+    nxt = torch.tensor([token_ids[start + 1:N]], device=model.device)
+    g0 = drafter(model, feats[None], nxt, state.cache)[:, -1:]               # [1, 1, C]
+    state.token_ids = list(token_ids)
+    first = drafter.logits(model, g0[0], reduced)[0].topk(branches).indices.tolist()
+    tokens, parents = [token_ids[-1]], [-1]
+    for t in first:
+        state.cache.seq_len = N - 1                            # each branch from the root
+        g, parent = g0, 0
+        for depth in range(k):
+            tokens.append(t)
+            parents.append(parent)
+            parent = len(tokens) - 1
+            if depth + 1 < k:
+                g = drafter(model, g, torch.tensor([[t]], device=model.device), state.cache)
+                t = int(drafter.logits(model, g[0], reduced)[0].argmax())
+    state.cache.seq_len = N - 1
+    return tokens, parents
+
+
+__all__ = ["EagleDrafter", "EagleState", "DEFAULT_EAGLE_WEIGHTS", "draft_chain", "draft_tree",
+           "new_state"]

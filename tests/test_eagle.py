@@ -1,0 +1,183 @@
+"""The EAGLE drafter (chapter 07) on a tiny random model: greedy outputs with method "eagle" equal
+sequential greedy generation token for token under chunked prefill, preemption (recompute and
+swap), prefix caching and n > 1; the features the engine hands the proposer are the target's
+own (checked against a no-cache forward); the drafter's cache keeps only true-feature positions;
+save/load round-trips; bad weights and options raise ValueError naming the fix."""
+import random
+
+import pytest
+import torch
+
+from minillm import SamplingParams
+from minillm.engine import LLMEngine
+from minillm.engine.spec_decode import Draft
+from minillm.spec import eagle as eagle_mod
+from minillm.spec.eagle import EagleDrafter, draft_chain, new_state
+from minillm.spec.medusa import hidden_states
+from minillm.spec.proposers import PROPOSERS, EagleProposer
+
+from test_engine_modes import VOCAB, check_invariants, run_engine, sequential, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def drafter(model):
+    """A random (untrained) drafter with a reduced head over half the vocabulary."""
+    torch.manual_seed(0)
+    d = EagleDrafter.for_model(model, torch.arange(0, VOCAB, 2))
+    with torch.no_grad():
+        d.fc.weight.normal_(0, 0.2)
+    return d.eval()
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(10)]
+    max_tokens = [rng.randint(1, 20) for _ in prompts]
+    return prompts, max_tokens, sequential(model, prompts, max_tokens)
+
+
+class OracleEagle(EagleProposer):
+    """The real EagleProposer path (draft_chain, its cache and rollback), but each draft is the
+    reference continuation with probability 0.6 (else a wrong token), so steps mix accepted and
+    rejected drafts. It also checks every feature the engine hands over against a no-cache
+    forward of the target."""
+    reference: dict = {}
+    checked = [0]
+
+    def _propose_one(self, r):
+        ids = list(r.token_ids)
+        if r.features is not None:
+            m = r.features.shape[0]
+            want = hidden_states(self.model, torch.tensor([ids[:-1]]))[0, -m:]
+            torch.testing.assert_close(r.features, want, atol=1e-4, rtol=1e-4)
+            self.checked[0] += 1
+        prompt = next((p for p in self.reference if ids[:len(p)] == list(p)), None)
+        ref = self.reference.get(prompt, [])
+        rng = random.Random(len(ids))
+        at = [len(ids) - len(prompt or ())]                  # index into ref of the next draft
+
+        def draw(logits):
+            i, at[0] = at[0], at[0] + 1
+            good = i < len(ref) and rng.random() < 0.6
+            return [ref[i] if good else int(logits.argmax())], None
+
+        state = r.state or new_state(self.drafter, len(ids) + 64, self.model.lm_head.weight)
+        out, _ = draft_chain(self.drafter, self.model, state, ids, r.features, r.num_drafts,
+                             draw, self.reduced)
+        return Draft(out, None, state)
+
+
+MODES = {
+    "continuous": dict(),
+    "chunked_small_budget": dict(max_num_batched_tokens=12, max_num_seqs=8),
+    "recompute_tiny_pool": dict(num_kv_blocks=24, block_size=4),
+    "swap_tiny_pool": dict(num_kv_blocks=24, block_size=4, preemption="swap"),
+    "prefix_caching_off": dict(enable_prefix_caching=False),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_greedy_eagle_equals_sequential(model, drafter, workload, mode, monkeypatch):
+    prompts, max_tokens, expected = workload
+    OracleEagle.reference = {tuple(p): r for p, r in zip(prompts, expected)}
+    OracleEagle.checked[0] = 0
+    monkeypatch.setitem(PROPOSERS, "eagle", OracleEagle)
+    kw = dict(num_kv_blocks=400, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
+    kw.update(MODES[mode])
+    cfg = dict(method="eagle", num_speculative_tokens=3, eagle_weights=drafter)
+    engine = LLMEngine(model, None, speculative_config=cfg, **kw)
+    outs, _ = run_engine(engine, prompts, max_tokens)
+    for i, ref in enumerate(expected):
+        assert outs[str(i)].token_ids == ref, f"{mode}: request {i} differs"
+    check_invariants(engine)
+    st = engine.spec_decode_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens     # both accepts and rejects
+    assert OracleEagle.checked[0] > 0                           # features did arrive
+
+
+def test_prefix_cache_hit_and_n2_with_the_real_drafter(model, drafter, workload):
+    """The plain EagleProposer (its own argmax drafts), with a shared prefix cached between
+    requests (the drafter recomputes the features of positions the target did not compute)
+    and n = 2 siblings (forked: no features of their own)."""
+    prompts, _, _ = workload
+    shared = prompts[0] * 3
+    ps = [shared + [1, 2], shared + [3], prompts[1]]
+    ref = sequential(model, ps, [12] * 3)
+    engine = LLMEngine(model, None, num_kv_blocks=200, block_size=4,
+                       speculative_config=dict(method="eagle", num_speculative_tokens=2,
+                                               eagle_weights=drafter, draft_head="full"))
+    outs, _ = run_engine(engine, ps, None, arrive_at=[0, 3, 3],
+                         params=[SamplingParams(temperature=0.0, max_tokens=12, n=2)] * 3)
+    for i in range(3):
+        assert [c.token_ids for c in outs[str(i)].outputs] == [ref[i], ref[i]]
+    assert engine.spec_decode_stats.num_draft_tokens > 0
+    check_invariants(engine)
+
+
+def test_the_cache_keeps_only_true_feature_positions(model, drafter):
+    ids = [3, 9, 4, 4, 7, 1]
+    feats = hidden_states(model, torch.tensor([ids]))[0]                     # [T, C]
+    state = new_state(drafter, 32, feats)
+    argmax = lambda lg: (lg.argmax(-1).tolist(), None)                        # noqa: E731
+    a, _ = draft_chain(drafter, model, state, ids[:4], feats[:3], 3, argmax)
+    assert state.cache.seq_len == 3 and state.token_ids == ids[:4]
+    # two more true tokens: only their features are fed, and the drafts match a fresh state's
+    b, _ = draft_chain(drafter, model, state, ids, feats[3:5], 3, argmax)
+    fresh = new_state(drafter, 32, feats)
+    c, _ = draft_chain(drafter, model, fresh, ids, None, 3, argmax)          # recomputes
+    assert b == c and state.cache.seq_len == len(ids) - 1
+    # a sequence that diverged from the state's tokens starts over
+    d, _ = draft_chain(drafter, model, state, [5, 5, 5], None, 3, argmax)
+    e, _ = draft_chain(drafter, model, new_state(drafter, 8, feats), [5, 5, 5], None, 3, argmax)
+    assert d == e and len(a) == 3
+
+
+def test_reduced_head_only_drafts_its_vocabulary(model, drafter):
+    g = torch.randn(4, model.config.hidden_size)
+    full = drafter.logits(model, g, reduced=False)
+    small = drafter.logits(model, g, reduced=True)
+    assert full.shape == small.shape == (4, VOCAB)
+    inside = torch.isfinite(small[0])
+    assert inside.sum() == len(drafter.draft_vocab) and not inside[1::2].any()
+    torch.testing.assert_close(small[:, ::2], full[:, ::2])
+
+
+def test_save_load_roundtrip_and_refusals(model, drafter, tmp_path):
+    path = tmp_path / "eagle.safetensors"
+    drafter.save(path)
+    back = EagleDrafter.load(path, model)
+    g = torch.randn(1, 3, model.config.hidden_size)
+    nxt = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(back(model, g, nxt), drafter(model, g, nxt), atol=2e-2, rtol=2e-2)
+    assert torch.equal(back.draft_vocab, drafter.draft_vocab)
+    other = tiny_model(seed=1)                                  # same shape, other weights
+    with pytest.raises(ValueError, match="make train-eagle"):
+        EagleDrafter.load(path, other)
+    with pytest.raises(ValueError, match="make train-eagle"):
+        LLMEngine(other, None, speculative_config=dict(method="eagle", num_speculative_tokens=2,
+                                                       eagle_weights=str(path)))
+    with pytest.raises(ValueError, match="no EAGLE weights"):
+        LLMEngine(model, None, speculative_config=dict(method="eagle", num_speculative_tokens=2,
+                                                       eagle_weights=str(tmp_path / "nope")))
+    with pytest.raises(ValueError, match="draft_head"):
+        LLMEngine(model, None, speculative_config=dict(method="eagle", num_speculative_tokens=2,
+                                                       eagle_weights=drafter, draft_head="big"))
+    with pytest.raises(ValueError, match="eagle_weights is for method 'eagle'"):
+        LLMEngine(model, None, speculative_config=dict(method="medusa", num_speculative_tokens=2,
+                                                       eagle_weights=drafter))
+
+
+def test_default_weights_are_for_the_bundled_model(model):
+    """The committed weights refuse a model they were not trained on (the tiny one)."""
+    if not eagle_mod.DEFAULT_EAGLE_WEIGHTS.exists():
+        pytest.skip("no committed EAGLE weights")
+    with pytest.raises(ValueError, match="make train-eagle"):
+        LLMEngine(model, None, speculative_config=dict(method="eagle", num_speculative_tokens=2))

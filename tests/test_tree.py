@@ -1,0 +1,155 @@
+"""Tree verification (chapter 07): the mask and positions give every node exactly the logits a
+separate forward over its own branch gives; the accepted branch's K/V, compacted, continue
+decoding exactly; the tree walk's output distribution equals the target's (by enumeration on a
+tiny vocabulary, and the sampler agrees with the enumeration); bad trees raise ValueError."""
+import pytest
+import torch
+
+from minillm.cache.contiguous import ContiguousKVCache
+from minillm.spec import theory
+from minillm.spec.tree import (accept_walk, compact, depths, tree_forward, tree_mask,
+                               tree_round_outcomes)
+
+from test_engine_modes import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# root 0 -> 1, 2; 1 -> 3, 4; 2 -> 5; 3 -> 6
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+TOKENS = [7, 11, 12, 13, 14, 15, 16]
+
+
+def test_tree_mask_and_depths():
+    m = tree_mask(PARENTS)
+    ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 2, 5},
+                 6: {0, 1, 3, 6}}
+    for i, anc in ancestors.items():
+        assert {j for j in range(len(PARENTS)) if m[i, j]} == anc
+    assert depths(PARENTS) == [0, 1, 1, 2, 2, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def branch(parents, tokens, i):
+    path = []
+    while i != -1:
+        path.append(tokens[i])
+        i = parents[i]
+    return path[::-1]
+
+
+def test_one_tree_forward_equals_each_branch_alone(model):
+    context = [3, 1, 4, 1, 5, 9]
+    cache = ContiguousKVCache(model.config, 1, 32)
+    model(torch.tensor([context]), cache=cache)
+    logits = tree_forward(model, cache, TOKENS, PARENTS)                     # [n, V]
+    assert cache.seq_len == len(context)
+    for i in range(len(PARENTS)):
+        ids = torch.tensor([context + branch(PARENTS, TOKENS, i)])
+        ref = model(ids)[0, -1]                                              # no cache
+        torch.testing.assert_close(logits[i], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_compacted_branch_continues_exactly(model):
+    context = [2, 7, 1, 8]
+    cache = ContiguousKVCache(model.config, 1, 32)
+    model(torch.tensor([context]), cache=cache)
+    start = cache.seq_len
+    tree_forward(model, cache, TOKENS, PARENTS)
+    path = [0, 1, 4]                                                         # root, 1, 4
+    compact(cache, start, path)
+    assert cache.seq_len == start + 3
+    nxt = model(torch.tensor([[5]]), cache=cache)[0, -1]
+    ref = model(torch.tensor([context + [TOKENS[0], TOKENS[1], TOKENS[4], 5]]))[0, -1]
+    torch.testing.assert_close(nxt, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_walk_follows_the_argmax():
+    V = 20
+    target = torch.full((len(PARENTS), V), -1.0)
+    target[0, 11] = target[1, 14] = target[4, 3] = 1.0                       # 0 -> 1 -> 4 -> stop
+    emitted, path = accept_walk(target, TOKENS, PARENTS, greedy=True)
+    assert emitted == [11, 14, 3] and path == [0, 1, 4]
+    target[0, 9] = 5.0                                                       # no child has 9
+    assert accept_walk(target, TOKENS, PARENTS, greedy=True) == ([9], [0])
+
+
+@pytest.mark.parametrize("branching", [(2,), (2, 1), (3, 2), (1, 1)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tree_rejection_sampling_is_exact_by_enumeration(branching, seed):
+    V, length = 3, 3
+    p = theory.random_tree(V, seed, zeros=0.2)
+    q = theory.random_tree(V, seed + 100, zeros=0.2)
+    out: dict = {}
+
+    def grow(prefix, prob):
+        if len(prefix) >= length:
+            out[prefix[:length]] = out.get(prefix[:length], 0.0) + prob
+            return
+        for emitted, pr in tree_round_outcomes(p, q, branching, prefix).items():
+            grow(prefix + emitted, prob * pr)
+
+    grow((), 1.0)
+    want = theory.target_sequence_distribution(p, V, length)
+    assert theory.max_abs_difference(out, want) < 1e-9
+
+
+def test_sampler_agrees_with_the_enumeration():
+    """accept_walk run many times on a 2-branch tree matches tree_round_outcomes."""
+    V = 3
+    p = theory.random_tree(V, 4)
+    q = theory.random_tree(V, 5)
+    g = torch.Generator().manual_seed(0)
+    want = tree_round_outcomes(p, q, (2, 1))
+    counts: dict = {}
+    n = 6000
+    for _ in range(n):
+        a, b = (int(torch.multinomial(q(()).float(), 1, generator=g)) for _ in range(2))
+        ca = int(torch.multinomial(q((a,)).float(), 1, generator=g))
+        cb = int(torch.multinomial(q((b,)).float(), 1, generator=g))
+        tokens, parents = [0, a, b, ca, cb], [-1, 0, 0, 1, 2]
+        tp = torch.stack([p(()), p((a,)), p((b,)), p((a, ca)), p((b, cb))])
+        dp = torch.stack([q(()), q((a,)), q((b,)), q((a, ca)), q((b, cb))])
+        emitted, _ = accept_walk(tp, tokens, parents, dp, generator=g)
+        counts[tuple(emitted)] = counts.get(tuple(emitted), 0) + 1
+    for key, pr in want.items():
+        sd = (pr * (1 - pr) / n) ** 0.5
+        assert abs(counts.get(key, 0) / n - pr) < 5 * sd + 1e-3, key
+    assert set(counts) <= set(want)
+
+
+@pytest.mark.parametrize("parents,match", [([0, 0], "parents\\[0\\] must be -1"),
+                                           ([-1, 1], "earlier node"),
+                                           ([-1, 0, 3, 1], "earlier node")])
+def test_bad_trees(parents, match):
+    with pytest.raises(ValueError, match=match):
+        tree_mask(parents)
+
+
+def test_tree_larger_than_the_cache_is_refused(model):
+    cache = ContiguousKVCache(model.config, 1, 8)
+    model(torch.tensor([[1, 2, 3, 4, 5]]), cache=cache)
+    with pytest.raises(ValueError, match="tree smaller"):
+        tree_forward(model, cache, TOKENS, PARENTS)
+
+
+@pytest.mark.parametrize("branches,k", [(2, 3), (3, 1), (1, 4)])
+def test_eagle_tree_decoding_equals_plain_greedy(model, branches, k):
+    """tree_generate (EAGLE tree drafts, one tree forward per step, compaction) gives the same
+    tokens as greedy decoding; a random drafter, so most branches are rejected."""
+    import minillm
+    from minillm import SamplingParams
+    from minillm.spec import EagleDrafter, EagleProposer, SpecStats
+    from minillm.spec.loop import tree_generate
+    torch.manual_seed(1)
+    proposer = EagleProposer(model, EagleDrafter.for_model(model), k)
+    for prompt in ([5, 9, 2], [1, 1, 1, 1, 1, 1, 7]):
+        ref = minillm.generate(model, None, prompt, max_new_tokens=20,
+                               sampling=SamplingParams(temperature=0.0, max_tokens=20))
+        st = SpecStats()
+        out = tree_generate(model, None, prompt, proposer, k, 20, branches, stats=st)
+        assert out == ref
+        assert st.num_target_forwards <= 21
