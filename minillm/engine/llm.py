@@ -118,7 +118,8 @@ class LLM:
         """prompts: a string, a list of strings, a list of token ids (one prompt), a list of
         token-id lists, or a tensor / numpy array of ids (1-D: one prompt; 2-D: one per row);
         a prompt may also be a dict with "prompt" or "prompt_token_ids" and "cache_salt".
-        sampling_params: one for all prompts or a list with one per prompt. Returns
+        sampling_params: one for all prompts or a list with one per prompt. priority: one int per
+        prompt, with scheduling_policy="priority" (lower runs first; vLLM's argument). Returns
         [RequestOutput] in order. If generate is interrupted (Ctrl-C, any exception), it aborts
         its own requests, so the engine holds no blocks for them, and re-raises."""
         prompts = as_prompt_list(prompts)
