@@ -4,21 +4,28 @@ Workload (`minillm.lab.prefix_workloads.shared_prefix_prompts`, seeded): G group
 group; every prompt has the same length L = S + Q, where the S system-prompt tokens are shared
 within a group and the Q question tokens are not. S is chosen per point so that the ideal token
 hit rate (P - 1) / P * S / L is about 0, 50, 80 and 95%. Prompts are random token ids, outputs
-O tokens with EOS ignored, greedy. Requests of a group are interleaved with the other groups'.
+O tokens with EOS ignored, greedy (O = 64 on the CPU: an answer of a few sentences, so the
+decode steps, which caching does not shorten, are in the measurement). Requests of a group are
+interleaved with the other groups'.
 
 For each point the same prompts run through two fresh engines, minillm.LLM with
 enable_prefix_caching=True and =False (same model object, same limits), alternating on/off for
 `--repeats` rounds after a warm-up; medians are reported:
 
-    throughput   (input + output tokens) / wall time of the whole generate() call; on a CPU
-                 also per second of this process's CPU time (time.process_time), which a
-                 machine shared with other jobs disturbs far less than wall time
+    speedup      wall time off / wall time on for the same requests (the same work done);
+                 on a CPU also the ratio of this process's CPU time (time.process_time), which
+                 a machine shared with other jobs disturbs far less than wall time
+    output tok/s generated tokens / wall time: counts no prompt token, so a cached prompt
+                 token is never counted as throughput (an (input + output) tok/s would count it)
+    computed     prompt tokens actually run through the model (prompt tokens - cached)
     ttft         mean and p90 of per-request time to first token (includes queueing: all
                  requests arrive at once)
     hit_rate     engine.prefix_cache_stats.hit_rate (prompt tokens served from the cache)
 
-    # CPU: bundled SmolLM2-135M, G=1, P=32, L=129
-    python benchmarks/bench_prefix.py --threads 1
+    # CPU: bundled SmolLM2-135M, G=1, P=32, L=129, O=64; one hit rate per call (short quiet
+    # runs), the rows appended to one record
+    python benchmarks/bench_prefix.py --threads 2 --hit-rates 0.0 --out benchmarks/results/x.json
+    python benchmarks/bench_prefix.py --threads 2 --hit-rates 0.5 --append benchmarks/results/x.json
     # GPU: random-weight Llama-3.2-1B, G=8, P=32, L=2049
     python benchmarks/bench_prefix.py --device cuda
 
@@ -54,7 +61,7 @@ from minillm.lab.prefix_workloads import ideal_hit_rate, shared_prefix_prompts  
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULTS = {
     "cpu": dict(model="smollm2-135m", weights="pretrained", num_groups=1, prompts_per_group=32,
-                prompt_len=129, output_len=4, max_num_seqs=64, max_num_batched_tokens=1024,
+                prompt_len=129, output_len=64, max_num_seqs=64, max_num_batched_tokens=1024,
                 repeats=3),
     "cuda": dict(model="llama-3.2-1b", weights="random", num_groups=8, prompts_per_group=32,
                  prompt_len=2049, output_len=64, max_num_seqs=256, max_num_batched_tokens=16384,
@@ -81,6 +88,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=None, help="write the record to this file")
+    p.add_argument("--append", type=Path, default=None, metavar="JSON",
+                   help="add the rows to this existing record (same workload) instead of a new one")
     p.add_argument("--overhead-only", type=Path, default=None, metavar="JSON",
                    help="only measure the bookkeeping overhead for the workload of an existing "
                         "record and add it to that file")
@@ -123,14 +133,17 @@ def run_once(model, tok, prompts, caching, args):
     outs = llm.generate(prompts, sp, use_tqdm=False)
     sync(args.device)
     seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
-    tokens = sum(map(len, prompts)) + args.output_len * len(prompts)
+    generated = sum(len(o.token_ids) for o in outs)
+    assert generated == args.output_len * len(prompts), "ignore_eos: every request runs to O"
+    cached = sum(o.num_cached_tokens for o in outs)
     ttfts = sorted(o.metrics.ttft for o in outs)
-    return {"seconds": seconds, "throughput_tok_s": tokens / seconds,
-            "cpu_seconds": cpu_seconds, "throughput_tok_per_cpu_s": tokens / cpu_seconds,
+    return {"seconds": seconds, "output_tok_s": generated / seconds,
+            "cpu_seconds": cpu_seconds, "output_tok_per_cpu_s": generated / cpu_seconds,
+            "computed_prompt_tokens": sum(map(len, prompts)) - cached,
             "ttft_mean_s": statistics.fmean(ttfts),
             "ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))],
             "hit_rate": llm.engine.prefix_cache_stats.hit_rate,
-            "cached_tokens": sum(o.num_cached_tokens for o in outs),
+            "cached_tokens": cached,
             "token_ids": [o.token_ids for o in outs]}
 
 
@@ -222,6 +235,7 @@ def main(argv=None):
     for caching in (False, True):
         run_once(model, tok, warm, caching, args)
     for target in args.hit_rates:
+        load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
         s = system_len_for(target, args)
         prompts = shared_prefix_prompts(args.num_groups, args.prompts_per_group, s,
                                         args.prompt_len - s, vocab, seed=args.seed)
@@ -230,30 +244,39 @@ def main(argv=None):
             order = (False, True) if r % 2 == 0 else (True, False)   # alternate who goes first
             for caching in order:
                 runs[caching].append(run_once(model, tok, prompts, caching, args))
-        row = {"target_hit_rate": target, "system_len": s, "question_len": args.prompt_len - s,
+        row = {"target_hit_rate": target, "load_average_before": load_before,
+               "command": record["command"], "date": record["date"], "system_len": s,
+               "question_len": args.prompt_len - s,
                "ideal_hit_rate": ideal_hit_rate(args.prompts_per_group, s, args.prompt_len - s,
                                                 args.block_size),
                "same_tokens_on_off": runs[True][0]["token_ids"] == runs[False][0]["token_ids"]}
         for caching, name in ((False, "off"), (True, "on")):
-            for k in ("seconds", "throughput_tok_s", "cpu_seconds", "throughput_tok_per_cpu_s",
-                      "ttft_mean_s", "ttft_p90_s"):
+            for k in ("seconds", "output_tok_s", "cpu_seconds", "output_tok_per_cpu_s",
+                      "ttft_mean_s", "ttft_p90_s", "computed_prompt_tokens"):
                 row[f"{k}_{name}"] = statistics.median(x[k] for x in runs[caching])
                 row[f"{k}_{name}_all"] = [x[k] for x in runs[caching]]
         row["hit_rate_measured"] = runs[True][0]["hit_rate"]
         row["bookkeeping_cpu_s"] = bookkeeping_overhead(prompts, args.block_size, args.output_len)
         row["bookkeeping_share_of_off_run"] = row["bookkeeping_cpu_s"] / row["cpu_seconds_off"]
-        row["speedup"] = row["throughput_tok_s_on"] / row["throughput_tok_s_off"]
-        row["speedup_cpu_time"] = (row["throughput_tok_per_cpu_s_on"] /
-                                   row["throughput_tok_per_cpu_s_off"])
+        row["prompt_tokens"] = sum(map(len, prompts))
+        row["speedup"] = row["seconds_off"] / row["seconds_on"]
+        row["speedup_cpu_time"] = row["cpu_seconds_off"] / row["cpu_seconds_on"]
         row["ttft_ratio_off_over_on"] = row["ttft_mean_s_off"] / row["ttft_mean_s_on"]
         record["rows"].append(row)
         print(f"hit rate target {target:4.2f} measured {row['hit_rate_measured']:5.3f}: "
-              f"{row['throughput_tok_s_off']:8.0f} -> {row['throughput_tok_s_on']:8.0f} tok/s "
+              f"{row['output_tok_s_off']:6.0f} -> {row['output_tok_s_on']:6.0f} output tok/s "
               f"({row['speedup']:.2f}x wall, {row['speedup_cpu_time']:.2f}x CPU time), "
               f"TTFT mean {row['ttft_mean_s_off']:.3f} -> "
               f"{row['ttft_mean_s_on']:.3f} s, same tokens {row['same_tokens_on_off']}",
               flush=True)
     record["load_average_after"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if args.append is not None:                     # one record, rows from several short calls
+        old = json.loads(args.append.read_text())
+        if old["workload"] != record["workload"] or old["engine"] != record["engine"]:
+            raise SystemExit(f"{args.append} records another workload; start a new record")
+        old["rows"] = sorted(old["rows"] + record["rows"], key=lambda r: r["target_hit_rate"])
+        old["commands"] = old.get("commands", [old["command"]]) + [record["command"]]
+        record = old
     by = {r["target_hit_rate"]: r for r in record["rows"]}
     # judged on CPU time where the device is a shared CPU (wall time there mostly measures the
     # other processes), on wall time on a GPU
@@ -264,10 +287,10 @@ def main(argv=None):
         "<= 1% loss at 0% hit rate": (by[0.0][key] >= 0.99) if 0.0 in by else None}
     print("targets:", record["targets"])
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"prefix_{args.device}_{now.strftime('%Y%m%d')}"
-    path = args.out_dir / f"{stem}.json"
+    path = args.append or args.out or \
+        args.out_dir / f"prefix_{args.device}_{now.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(record, indent=1))
-    plot(record, args.out_dir / f"{stem}.png")
+    plot(record, path.with_suffix(".png"))
     print(f"wrote {path}")
     return record
 
@@ -279,13 +302,13 @@ def plot(record, path):
     rows = record["rows"]
     x = [r["hit_rate_measured"] * 100 for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
-    a.plot(x, [r["throughput_tok_s_off"] for r in rows], "o-", label="caching off")
-    a.plot(x, [r["throughput_tok_s_on"] for r in rows], "o-", label="caching on")
+    a.plot(x, [r["output_tok_s_off"] for r in rows], "o-", label="caching off")
+    a.plot(x, [r["output_tok_s_on"] for r in rows], "o-", label="caching on")
     for xi, r in zip(x, rows):
-        a.annotate(f"{r['speedup']:.2f}x", (xi, r["throughput_tok_s_on"]), fontsize=8,
+        a.annotate(f"{r['speedup']:.2f}x", (xi, r["output_tok_s_on"]), fontsize=8,
                    textcoords="offset points", xytext=(-10, 6))
     a.set_xlabel("measured prefix-cache hit rate (% of prompt tokens)")
-    a.set_ylabel("(input + output) tokens / s")
+    a.set_ylabel("output tokens / s (cached prompt tokens not counted)")
     a.legend(fontsize=8)
     b.plot(x, [r["ttft_mean_s_off"] * 1e3 for r in rows], "o-", label="caching off")
     b.plot(x, [r["ttft_mean_s_on"] * 1e3 for r in rows], "o-", label="caching on")

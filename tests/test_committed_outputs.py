@@ -54,3 +54,42 @@ def test_committed_figures_match_todays_code(nb, marker, expected):
 def test_the_chapter_count_cell_is_pinned_for_nbval():
     src, _ = committed("notebooks/99_interview_drill.ipynb", "collections.Counter(q.chapter")
     assert src.startswith("# NBVAL_CHECK_OUTPUT")
+
+
+# --- chapters 06-08: pinned key-figure cells, re-run from their own source ---------------------
+# Each cell below is self-contained (given the prelude): it recomputes its figures from lab code
+# or reads the newest recorded benchmark JSON. Its committed text must be what it prints today, so
+# a changed simulator or a newer benchmark record without a re-executed notebook fails here.
+SELF_CONTAINED = [
+    ("notebooks/06_prefix_caching.ipynb", "scan_trace(rounds=8", ""),
+    ("notebooks/06_prefix_caching.ipynb", 'glob("prefix_cpu_*.json")', "import minillm"),
+    ("notebooks/07_speculative_decoding.ipynb", "break-even acceptance alpha",
+     "from minillm.spec import theory"),
+    ("notebooks/08_serving.ipynb", 'glob("serve_cpu_*.json")', "import minillm"),
+]
+
+
+def printed_today(src: str, prelude: str) -> str:
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(prelude + "\n" + src, "<cell>", "exec"), {"__name__": "cell"})
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("nb,marker,prelude", SELF_CONTAINED,
+                         ids=[f"{c[0][10:12]}-{c[1][:20]}" for c in SELF_CONTAINED])
+def test_pinned_key_figures_are_what_their_cell_prints_today(nb, marker, prelude):
+    src, text = committed(nb, marker)
+    assert src.startswith("# NBVAL_CHECK_OUTPUT") or "json" in src, "pin it or read a record"
+    assert text == printed_today(src, prelude), \
+        f"{nb}: the committed output is stale; re-execute the notebook"
+
+
+def test_the_stale_check_can_fail():
+    """One changed figure in a committed text is told apart from what the cell prints today."""
+    nb, marker, prelude = SELF_CONTAINED[2]
+    src, text = committed(nb, marker)
+    stale = text.replace("0.17", "0.18", 1)
+    assert stale != text and stale != printed_today(src, prelude)

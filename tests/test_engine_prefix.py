@@ -227,3 +227,44 @@ def test_a_failed_forward_caches_nothing(model, monkeypatch):
     assert outs["1"].token_ids == sequential(model, prompts[1:], [5])[0]
     assert outs["1"].num_cached_tokens == 0
     check_invariants(engine)
+
+
+def test_reset_prefix_cache_after_a_weight_swap_matches_a_cold_engine(model):
+    """A cached block holds K/V of the weights that computed it; its key names only tokens. After
+    new weights are loaded, a hit serves stale K/V until the cache is flushed."""
+    import torch
+    prompt, follow = list(range(40, 72)), list(range(40, 64)) + [7, 8, 9]   # share 24 tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)
+    llm = minillm.LLM((model, None), num_kv_blocks=40, block_size=4)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        llm.generate([prompt], sp, use_tqdm=False)                   # cached under the old weights
+        with torch.no_grad():                                         # "load a new checkpoint"
+            g = torch.Generator().manual_seed(0)
+            for p in model.parameters():
+                p.add_(0.5 * p.std() * torch.randn(p.shape, generator=g))
+        cold = minillm.LLM((model, None), num_kv_blocks=40, block_size=4)
+        ref = cold.generate([follow], sp, use_tqdm=False)[0]
+        stale = llm.generate([follow], sp, use_tqdm=False)[0]
+        assert stale.num_cached_tokens == 24                          # the bug a flush prevents
+        assert abs(stale.outputs[0].cumulative_logprob - ref.outputs[0].cumulative_logprob) > 1e-3
+        llm.generate([prompt], sp, use_tqdm=False)                    # stale blocks touched again
+        assert llm.reset_prefix_cache() > 0
+        assert llm.engine.block_manager.num_cached_blocks == 0       # emptied, not only free ones
+        fresh = llm.generate([follow], sp, use_tqdm=False)[0]
+        assert fresh.num_cached_tokens == 0 and fresh.token_ids == ref.token_ids
+        assert fresh.outputs[0].cumulative_logprob == pytest.approx(
+            ref.outputs[0].cumulative_logprob, abs=1e-5)
+    finally:
+        model.load_state_dict(saved)
+
+
+def test_reset_prefix_cache_is_refused_while_requests_run(model):
+    llm = minillm.LLM((model, None), num_kv_blocks=40, block_size=4)
+    llm.engine.add_request("r", list(range(30, 50)), SamplingParams(max_tokens=4))
+    llm.engine.step()
+    with pytest.raises(ValueError, match="finish them"):
+        llm.reset_prefix_cache()
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() > 0 and llm.engine.block_manager.num_cached_blocks == 0

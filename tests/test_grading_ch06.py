@@ -1,5 +1,6 @@
 """Chapter 06 graders are themselves tested: the solution passes, the unfilled exercise fails, and
-planted bugs (a key for the partial block, unchained keys, an ignored salt, a LIFO or O(n) free
+planted bugs (a key for the partial block, unchained keys, an ignored salt, Python's per-process
+hash(), digits run together, keys that depend on later tokens, a LIFO or O(n) free
 queue, a revival that leaves the block in the queue, a hit that covers the whole prompt, counts
 tokens of a partial block or skips a missing block) are caught with a message that names the
 mistake. The references are checked against minillm's own prefix cache."""
@@ -129,6 +130,32 @@ def keys_off_by_one(token_ids, block_size, cache_salt=None):
     return keys
 
 
+def keys_python_hash(token_ids, block_size, cache_salt=None):
+    """Chained, salted, but Python's hash() of a str: seeded per process (PYTHONHASHSEED)."""
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hash(f"{parent}|{cache_salt}|{token_ids[i * block_size:(i + 1) * block_size]}")
+        keys.append(parent)
+    return keys
+
+
+def keys_digits_run_together(token_ids, block_size, cache_salt=None):
+    """Stable and chained, but the tokens are written as digits with no separator."""
+    import hashlib
+    keys, parent = [], str(cache_salt)
+    for i in range(len(token_ids) // block_size):
+        text = parent + "".join(map(str, token_ids[i * block_size:(i + 1) * block_size]))
+        parent = hashlib.sha256(text.encode()).hexdigest()
+        keys.append(parent)
+    return keys
+
+
+def keys_depend_on_the_whole_prompt(token_ids, block_size, cache_salt=None):
+    """Every key also mixes in the prompt's length: equal prefixes no longer share keys."""
+    return [(k, len(token_ids)) for k in ch06.reference_block_keys(token_ids, block_size,
+                                                                    cache_salt)]
+
+
 class LifoQueue:
     def __init__(self):
         self.d = OrderedDict()
@@ -205,7 +232,10 @@ def hit_skips_misses(prompt, cached_prefixes, block_size):
 BUGS = [
     ("block_keys", keys_with_partial_block, "one key per full block", "partly filled last block"),
     ("block_keys", keys_unchained, "chains its parent", "hashed every block on its own"),
-    ("block_keys", keys_unchained, "different prefixes", "chain the parent"),
+    ("block_keys", keys_unchained, "exactly when", "chain the parent"),
+    ("block_keys", keys_python_hash, "stable across Python processes", "fresh Python process"),
+    ("block_keys", keys_digits_run_together, "token boundaries", "digits run together"),
+    ("block_keys", keys_depend_on_the_whole_prompt, "exactly when", "same first"),
     ("block_keys", keys_ignore_salt, "cache_salt", "same keys as no salt"),
     ("block_keys", keys_off_by_one, "one key per full block", "one per FULL block"),
     ("FreeBlockQueue", LifoQueue, "least recently freed", "most recently freed"),
@@ -218,3 +248,8 @@ BUGS = [
 
 (test_planted_bug_is_caught_with_a_specific_message,
  test_every_exercise_has_at_least_two_planted_bugs) = planted_bug_tests(GRADED, BUGS)
+
+
+def test_any_stable_design_passes_including_minillms_own_keys():
+    """The block-key grader checks properties, not one recipe: minillm's xxh3 chain passes too."""
+    assert grade(ch06.BLOCK_KEYS, ch06.reference_block_keys, time_limit=LIMIT).full_marks

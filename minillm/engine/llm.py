@@ -83,7 +83,8 @@ class LLM:
                  preemption: str = "recompute", num_cpu_blocks: Optional[int] = None,
                  device=None, dtype=None, clock=None, speculative_config=None,
                  quantization: Optional[str] = None, kv_transfer_config=None,
-                 kv_cache_dtype: str = "auto", enforce_eager: bool = True):
+                 kv_cache_dtype: str = "auto", enforce_eager: bool = True,
+                 scheduling_policy: str = "fcfs"):
         check_enforce_eager(enforce_eager)   # chapter 12; checked before loading anything
         if speculative_config is not None:   # fail before loading anything
             from .spec_decode import parse_speculative_config
@@ -117,16 +118,18 @@ class LLM:
                                 scheduling=scheduling, preemption=preemption, clock=clock,
                                 speculative_config=speculative_config,
                                 kv_transfer_config=kv_transfer_config,
-                                kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager)
+                                kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+                                scheduling_policy=scheduling_policy)
         self._ids = itertools.count()
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                        None] = None,
-                 use_tqdm: bool = True) -> list:
+                 use_tqdm: bool = True, priority: Optional[Sequence[int]] = None) -> list:
         """prompts: a string, a list of strings, a list of token ids (one prompt), a list of
         token-id lists, or a tensor / numpy array of ids (1-D: one prompt; 2-D: one per row);
         a prompt may also be a dict with "prompt" or "prompt_token_ids" and "cache_salt".
-        sampling_params: one for all prompts or a list with one per prompt. Returns
+        sampling_params: one for all prompts or a list with one per prompt. priority: one int per
+        prompt, with scheduling_policy="priority" (lower runs first; vLLM's argument). Returns
         [RequestOutput] in order. If generate is interrupted (Ctrl-C, any exception), it aborts
         its own requests, so the engine holds no blocks for them, and re-raises."""
         prompts = as_prompt_list(prompts)
@@ -139,14 +142,18 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
                                  "pass one SamplingParams or exactly one per prompt")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts; pass "
+                             "one per prompt (scheduling_policy='priority': lower runs first)")
         ids, results, bar = [], {}, None
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, prio in zip(prompts, params, priority):
                 rid = str(next(self._ids))
                 ids.append(rid)
                 try:
                     prompt, salt = split_prompt(prompt)
-                    self.engine.add_request(rid, prompt, p, cache_salt=salt)
+                    self.engine.add_request(rid, prompt, p, cache_salt=salt, priority=prio)
                 except Exception as e:                   # this request only, whatever it was
                     msg = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
                     results[rid] = RequestOutput.failed(rid, prompt, msg)
@@ -169,7 +176,16 @@ class LLM:
         return [results[r] for r in ids]
 
     def reset_prefix_cache(self) -> int:
-        """Forget the cached prefixes (e.g. to time a cold start)."""
+        """Forget every cached prefix (vLLM's name); returns how many blocks were dropped.
+
+        Call it whenever the weights change (a new checkpoint, an RL update, a LoRA merged in):
+        a cached block holds K/V computed by the OLD weights and its key names only the tokens,
+        so without a flush the next request with that prefix reuses stale K/V. Also used to time
+        a cold start. Refused while requests run: their blocks stay cached and keyed, so the
+        flush would be partial; finish or abort them first (vLLM refuses then too)."""
+        if self.engine.scheduler.has_unfinished():
+            raise ValueError("reset_prefix_cache while requests are running would keep their "
+                             "blocks cached; finish them (or llm.abort(request_id)) first")
         return self.engine.reset_prefix_cache()
 
     def abort(self, request_id: str) -> bool:

@@ -90,7 +90,7 @@ class LLMEngine:
                  clock=None, max_step_stats: int = 100_000,
                  speculative_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, kv_cache_dtype: str = "auto",
-                 enforce_eager: bool = True):
+                 enforce_eager: bool = True, scheduling_policy: str = "fcfs"):
         check_enforce_eager(enforce_eager)       # chapter 12: CUDA graphs for decode steps
         if speculative_config is not None:       # chapter 07; validated before anything else
             parse_speculative_config(speculative_config)
@@ -117,7 +117,8 @@ class LLMEngine:
                                    enable_chunked_prefill, scheduling, preemption,
                                    cpu_pool=self.cpu_pool, clock=self.clock,
                                    prefix_cache_stats=self.prefix_cache_stats,
-                                   kv_connector=self.kv_connector)
+                                   kv_connector=self.kv_connector,
+                                   scheduling_policy=scheduling_policy)
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
         self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
                                   num_cpu_blocks, needs_hidden=self.proposer.needs_hidden,
@@ -201,8 +202,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: Prompt,
                     params: Optional[SamplingParams] = None,
                     arrival_time: Optional[float] = None,
-                    cache_salt: Optional[str] = None) -> None:
+                    cache_salt: Optional[str] = None, priority: int = 0) -> None:
         """Queue one request. Raises ValueError for bad input; nothing else is affected.
+        priority (scheduling_policy="priority" only): lower values run first, ties FCFS.
         cache_salt: requests share cached prefixes only with requests of the same salt (e.g.
         one per tenant), which closes the prefix cache's timing side channel between them."""
         params = params if params is not None else SamplingParams()
@@ -211,6 +213,11 @@ class LLMEngine:
                              f"got {cache_salt!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if priority != 0 and self.scheduler.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority!r} needs scheduling_policy='priority' "
+                             "(the engine is FCFS)")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         params.validate()                        # again: fields may have changed since built
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use; pick a unique id")
@@ -222,7 +229,7 @@ class LLMEngine:
         req = Request(self.scheduler.new_seq_id(), request_id, ids, params,
                       arrival_time if arrival_time is not None else self.clock(),
                       self._arrivals, gen, prompt=prompt if isinstance(prompt, str) else None,
-                      cache_salt=cache_salt, grammar=grammar)
+                      cache_salt=cache_salt, grammar=grammar, priority=priority)
         self.groups[request_id] = [req]
         self.scheduler.add(req)
 

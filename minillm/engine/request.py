@@ -61,7 +61,7 @@ class Request:
                  params: SamplingParams, arrival_time: float, arrival_order: int,
                  generator: Optional[torch.Generator] = None, sample_index: int = 0,
                  prompt: Optional[str] = None, cache_salt: Optional[str] = None,
-                 grammar=None):
+                 grammar=None, priority: int = 0):
         self.seq_id = seq_id                       # key in the BlockManager, unique per sequence
         self.request_id = request_id               # the caller's id, shared by the n samples
         self.sample_index = sample_index
@@ -77,6 +77,7 @@ class Request:
         self.text_cut: Optional[int] = None        # len of the text before the stop string
         self.error: Optional[str] = None           # why it finished with reason "error"
         self.arrival_order = arrival_order         # FCFS priority (lower = older)
+        self.priority = priority                   # scheduling_policy="priority": lower first
         self.needs_fork = sample_index == 0 and params.n > 1   # siblings come after the prompt
         self.kv = None                             # KVBlocks while it holds blocks: block
                                                    # table, prefix chain (cache/blocks.py)
@@ -150,7 +151,7 @@ class Request:
         child = Request(seq_id, self.request_id, self.prompt_token_ids, p,
                         self.metrics.arrival_time, self.arrival_order, gen,
                         sample_index=sample_index, prompt=self.prompt, cache_salt=self.cache_salt,
-                        grammar=self.grammar.fork())
+                        grammar=self.grammar.fork(), priority=self.priority)
         child.output_token_ids = list(self.output_token_ids)
         child.logprobs = list(self.logprobs)
         child.num_computed_tokens = self.num_computed_tokens
@@ -164,7 +165,9 @@ class Request:
 
     @property
     def sort_key(self):
-        return (self.arrival_order, self.sample_index)
+        """The scheduler's order everywhere (queues, admission, preemption victim = the last):
+        priority first (always 0 under FCFS), then arrival, then sample."""
+        return (self.priority, self.arrival_order, self.sample_index)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}#{self.sample_index}, {self.status.value}, "

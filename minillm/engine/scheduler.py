@@ -89,7 +89,11 @@ class Scheduler:
     def __init__(self, block_manager, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  scheduling: str = "continuous", preemption: str = "recompute",
-                 cpu_pool=None, clock=None, prefix_cache_stats=None, kv_connector=None):
+                 cpu_pool=None, clock=None, prefix_cache_stats=None, kv_connector=None,
+                 scheduling_policy: str = "fcfs"):
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be 'fcfs' or 'priority', got "
+                             f"{scheduling_policy!r}")
         if scheduling not in ("continuous", "static"):
             raise ValueError(f"scheduling must be 'continuous' or 'static', got {scheduling!r}")
         if preemption not in ("recompute", "swap"):
@@ -109,6 +113,10 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.scheduling = scheduling
         self.preemption = preemption
+        # "priority" (vLLM's name): every queue is ordered by Request.sort_key = (priority,
+        # arrival), so a lower priority value is admitted first and the preemption victim
+        # (running[-1]) is the lowest-priority, newest request. Under "fcfs" priority stays 0.
+        self.scheduling_policy = scheduling_policy
         self.cpu_pool = cpu_pool
         self.clock = clock
         self.prefix_cache_stats = prefix_cache_stats        # prompt tokens looked up / hit

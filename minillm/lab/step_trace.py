@@ -41,7 +41,7 @@ def _ids(queue) -> list:
 
 
 def run_trace(model, name: str, prompts, max_tokens, arrive, max_steps: int = 10_000,
-              **engine_kw) -> Run:
+              priorities=None, **engine_kw) -> Run:
     """Run requests r0, r1, ... (greedy) through a fresh LLMEngine(model, **engine_kw), request i
     joining before step arrive[i], and record every step.
 
@@ -53,7 +53,7 @@ def run_trace(model, name: str, prompts, max_tokens, arrive, max_steps: int = 10
     free_blocks. Raises RuntimeError if the run has not finished after max_steps steps and
     AssertionError if the engine leaks KV blocks. Tokens served from a prefix cache would count
     as computed without being in the step; pass enable_prefix_caching=False to count only the
-    model's work.
+    model's work. priorities: one int per request, for scheduling_policy="priority".
     """
     if not len(prompts) == len(max_tokens) == len(arrive):
         raise ValueError(f"prompts, max_tokens and arrive must have the same length, got "
@@ -66,7 +66,8 @@ def run_trace(model, name: str, prompts, max_tokens, arrive, max_steps: int = 10
         while nxt < len(order) and arrive[order[nxt]] <= step:
             i = order[nxt]
             engine.add_request(f"r{i}", prompts[i],
-                               SamplingParams(temperature=0.0, max_tokens=max_tokens[i]))
+                               SamplingParams(temperature=0.0, max_tokens=max_tokens[i]),
+                               priority=priorities[i] if priorities is not None else 0)
             run.requests[f"r{i}"] = engine.get_request(f"r{i}")[0]
             run.arrival[f"r{i}"] = step
             nxt += 1

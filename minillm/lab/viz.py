@@ -7,6 +7,7 @@
     controls(widgets.interactive(f, ...))                # a widget with a readable placeholder
     median_spread(samples) -> (median, low, high)                              # noisy timings
     memory_map_legend(ax)            # what solid, pale and white mean on a memory map (ch. 02-03)
+    draw_free_queue(ax, title, queue, in_use, keyed, labels)    # chapter 06's LRU free queue
 
 Nothing here imports the engine: the chapter 04 functions read the records of
 `minillm.lab.step_trace.run_trace` (plain dicts), and the block-table drawing reads a
@@ -69,6 +70,26 @@ def draw_block_tables(mgr, seqs, colors, ax=None):
                                         connectionstyle="arc3,rad=0.1"))
             y -= 1
         y -= 0.5
+    return ax
+
+
+def draw_free_queue(ax, title, queue, in_use, keyed, labels):
+    """One row: the free queue (head first; blue = holds a cached prefix, grey = no key), a gap,
+    then the blocks in use (orange). labels: block id -> name, taken when the snapshot was taken
+    (a block handed to a later request is renamed; a drawing must not read the new name)."""
+    import matplotlib.pyplot as plt
+    boxes = [(b, "#9ecae1" if b in keyed else "#dddddd") for b in queue]
+    boxes += [(None, None)] + [(b, "#fdae6b") for b in sorted(in_use)]
+    for x, (b, color) in enumerate(boxes):
+        if b is not None:
+            ax.add_patch(plt.Rectangle((x, 0), 0.9, 0.9, color=color))
+            ax.text(x + 0.45, 0.45, f"{labels.get(b, '-')}\n#{b}", ha="center", va="center",
+                    fontsize=8)
+    caption = "free queue, head (taken next) at the left" + (" | in use" if in_use else "")
+    ax.set_title(f"{title}    [{caption}]", fontsize=8, loc="left")
+    ax.set_xlim(-0.2, len(boxes) + 0.2)
+    ax.set_ylim(-0.05, 0.95)
+    ax.axis("off")
     return ax
 
 
