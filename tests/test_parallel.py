@@ -28,7 +28,7 @@ PROMPTS = ([_shared + [_rng.randrange(VOCAB) for _ in range(3)] for _ in range(4
            + [[_rng.randrange(VOCAB) for _ in range(_rng.randint(3, 20))] for _ in range(12)])
 MAX_TOKENS = 6
 # chunked prefill (8-token budget), a pool too small for all 16 at once (preemption)
-SMALL = dict(block_size=4, num_kv_blocks=24, max_num_batched_tokens=8, max_num_seqs=16)
+SMALL = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=8, max_num_seqs=8)
 
 
 def no_children():
@@ -157,7 +157,7 @@ def test_bundled_model_tp3_equals_one_process():
     rank. 16 short prompts, chunked prefill, preemption from a small pool."""
     model, tok = load_model()
     prompts = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(16)]
-    kw = dict(block_size=4, num_kv_blocks=40, max_num_batched_tokens=16, max_num_seqs=16)
+    kw = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=16)
     one = LLM((model, tok), **kw)
     want = greedy(one, prompts)
     assert one.engine.num_preemptions > 0
