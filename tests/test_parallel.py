@@ -38,9 +38,10 @@ def no_children():
     return multiprocessing.active_children() == []
 
 
-def greedy(llm, prompts):
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                logprobs=0), use_tqdm=False)
+def greedy(llm, prompts, max_tokens=MAX_TOKENS, ignore_eos=False):
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                logprobs=0, ignore_eos=ignore_eos),
+                        use_tqdm=False)
     assert all(o.error is None for o in outs), [o.error for o in outs]
     return ([o.outputs[0].token_ids for o in outs],
             [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
@@ -154,16 +155,17 @@ def _exists(pid: int) -> bool:
 
 def test_bundled_model_tp3_equals_one_process():
     """The bundled model (9 query / 3 KV heads): tp = 3 holds 3 query heads and 1 KV head per
-    rank. 16 short prompts, chunked prefill, preemption from a small pool."""
+    rank. 16 short prompts, chunked prefill, preemption from a small pool (EOS ignored, so
+    every sequence grows and the pool runs short)."""
     model, tok = load_model()
     prompts = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(16)]
     kw = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=16)
     one = LLM((model, tok), **kw)
-    want = greedy(one, prompts)
+    want = greedy(one, prompts, 8, ignore_eos=True)
     assert one.engine.num_preemptions > 0
     llm = LLM((model, tok), tensor_parallel_size=3, **kw)
     try:
-        got = greedy(llm, prompts)
+        got = greedy(llm, prompts, 8, ignore_eos=True)
         assert llm.engine.num_preemptions > 0
     finally:
         llm.shutdown()

@@ -49,7 +49,7 @@ def test_sharded_forward_equals_the_full_model_and_counts_two_all_reduces_per_la
         ref = model(input_ids)                                             # [1, 11, V]
     logits, stats = threaded_tp_forward(model, tp, input_ids)
     for rank in range(tp):
-        torch.testing.assert_close(logits[rank], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits[rank], ref, rtol=1e-5, atol=1e-4)   # logits ~10, fp32
     tokens = input_ids.numel()
     for s in stats:
         assert s.all_reduce_calls == 2 * cfg.num_layers

@@ -150,8 +150,7 @@ class MultiprocExecutor:
             try:
                 conn.send_bytes(pickle.dumps((method, args)))   # plain bytes: no shm
             except (BrokenPipeError, OSError):
-                self.check_alive()
-                self._fail(f"tensor-parallel worker rank {rank} stopped listening")
+                self._worker_gone(rank, "stopped listening")
 
     def collect(self, timeout: float = REPLY_TIMEOUT_S, strict: bool = True) -> list:
         """One reply per worker, each within `timeout` seconds, checking they are alive. A
@@ -167,8 +166,7 @@ class MultiprocExecutor:
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):
-                self.check_alive()
-                self._fail(f"tensor-parallel worker rank {rank} closed its pipe")
+                self._worker_gone(rank, "closed its pipe")
             if status != "ok" and strict:
                 self._fail(f"tensor-parallel worker rank {rank} failed: {value}")
             replies.append(value)
@@ -186,6 +184,16 @@ class MultiprocExecutor:
             if not p.is_alive():
                 self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit "
                            f"code {p.exitcode}")
+
+    def _worker_gone(self, rank: int, what: str):
+        """A worker's pipe broke: give the process a moment to be reaped, then name its exit
+        code (a pipe closes a little before the process is seen as dead)."""
+        p = self.workers[rank - 1]
+        p.join(5)
+        if p.exitcode is not None:
+            self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
+                       f"{p.exitcode}")
+        self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) {what}")
 
     def _fail(self, message: str):
         self._error = message + "; the other workers were stopped, build a new LLM"
