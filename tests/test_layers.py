@@ -35,7 +35,7 @@ LAYERS = {
                          "minillm.model", "minillm.loader", "minillm.sampling", "minillm.generate",
                          "minillm.metrics", "minillm.roofline"},
                "packages": {"minillm.cache", "minillm.kernels", "minillm.engine", "minillm.spec",
-                            "minillm.serve", "minillm.quant"}},
+                            "minillm.serve", "minillm.quant", "minillm.parallel"}},
     "lab": {"exact": set(), "packages": {"minillm.lab"}},
     "tooling": {"exact": set(), "packages": {"minillm.grading", "minillm.drill"}},
 }

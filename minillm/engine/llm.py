@@ -74,7 +74,14 @@ class LLM:
     model's dtype) or "fp8" (e4m3, one byte per value: twice bf16's tokens per GB; also
     "fp8_e4m3", "fp8_e5m2"), vLLM's names. enforce_eager=False replays decode
     steps from CUDA graphs on a GPU (`minillm.engine.cuda_graphs`); ignored, with a logged note,
-    on a CPU. The default stays True (vLLM's is False) until that path has run in CI on a GPU."""
+    on a CPU. The default stays True (vLLM's is False) until that path has run in CI on a GPU.
+
+    tensor_parallel_size=N (chapter 10) splits the model over N ranks: N - 1 worker processes
+    (spawned once, gloo on the CPU) and rank 0 in this process, which samples. N must split the
+    heads (ValueError names the sizes that work). A script that uses it needs the usual
+    `if __name__ == "__main__":` guard, because spawned workers import the main module.
+    `shutdown()` (or `del llm`, or interpreter exit) stops them. pipeline_parallel_size is 1
+    only in the engine (chapter 10's pipeline is `minillm.parallel.pipeline`)."""
 
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
@@ -84,8 +91,12 @@ class LLM:
                  device=None, dtype=None, clock=None, speculative_config=None,
                  quantization: Optional[str] = None, kv_transfer_config=None,
                  kv_cache_dtype: str = "auto", enforce_eager: bool = True,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1):
+        self.engine = None                   # shutdown() / __del__ work whatever fails below
         check_enforce_eager(enforce_eager)   # chapter 12; checked before loading anything
+        check_parallel(tensor_parallel_size, pipeline_parallel_size, speculative_config,
+                       quantization, kv_transfer_config)
         if speculative_config is not None:   # fail before loading anything
             from .spec_decode import parse_speculative_config
             parse_speculative_config(speculative_config)
@@ -119,8 +130,21 @@ class LLM:
                                 speculative_config=speculative_config,
                                 kv_transfer_config=kv_transfer_config,
                                 kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
-                                scheduling_policy=scheduling_policy)
+                                scheduling_policy=scheduling_policy,
+                                tensor_parallel_size=tensor_parallel_size)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do with one rank). Also run
+        by `del llm` and at interpreter exit."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:                    # noqa: BLE001 - never raise from __del__
+            pass
 
     def generate(self, prompts, sampling_params: Union[SamplingParams, Sequence[SamplingParams],
                                                        None] = None,
@@ -192,6 +216,22 @@ class LLM:
         """Abort a request added through `self.engine.add_request` (generate() blocks, so its own
         requests finish before it returns)."""
         return self.engine.abort_request(request_id)
+
+
+def check_parallel(tp, pp, speculative_config, quantization, kv_transfer_config) -> None:
+    """ValueError for parallel sizes this engine cannot run (chapter 10); the heads are checked
+    against tp once the model is known (minillm.parallel.check_tp_size)."""
+    for name, n in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be a positive integer, got {n!r}")
+    if pp != 1:
+        raise ValueError(f"pipeline_parallel_size={pp}: the engine runs pipeline_parallel_size=1 "
+                         "only; chapter 10's pipeline (minillm.parallel.pipeline) is a separate "
+                         "demonstration")
+    if tp > 1 and (speculative_config or quantization or kv_transfer_config):
+        raise ValueError("tensor_parallel_size > 1 runs without speculative_config, "
+                         "quantization and kv_transfer_config; drop them or use "
+                         "tensor_parallel_size=1")
 
 
 def split_prompt(prompt):

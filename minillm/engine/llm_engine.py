@@ -50,7 +50,8 @@ from ..generate import Prompt, check_context_room, prompt_token_ids, stop_reason
 from ..metrics import default_clock
 from ..sampling import SamplingParams, make_generator
 from .cuda_graphs import check_enforce_eager
-from .model_runner import ModelRunner, kv_blocks_for_memory
+from .executor import build_executor
+from .model_runner import kv_blocks_for_memory
 from .outputs import CompletionOutput, Logprob, RequestOutput, StepOutput, TokenDelta
 from .request import Request
 from .scheduler import Scheduler, StepUpdate
@@ -90,7 +91,8 @@ class LLMEngine:
                  clock=None, max_step_stats: int = 100_000,
                  speculative_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, kv_cache_dtype: str = "auto",
-                 enforce_eager: bool = True, scheduling_policy: str = "fcfs"):
+                 enforce_eager: bool = True, scheduling_policy: str = "fcfs",
+                 tensor_parallel_size: int = 1):
         check_enforce_eager(enforce_eager)       # chapter 12: CUDA graphs for decode steps
         if speculative_config is not None:       # chapter 07; validated before anything else
             parse_speculative_config(speculative_config)
@@ -120,11 +122,14 @@ class LLMEngine:
                                    kv_connector=self.kv_connector,
                                    scheduling_policy=scheduling_policy)
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
-        self.runner = ModelRunner(model, self.block_manager, num_kv_blocks, block_size,
-                                  num_cpu_blocks, needs_hidden=self.proposer.needs_hidden,
-                                  needs_features=self.proposer.needs_features,
-                                  kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
-                                  max_num_seqs=max_num_seqs)
+        # who runs the forward: one ModelRunner here, or chapter 10's tensor-parallel workers
+        self.executor = build_executor(tensor_parallel_size, model, self.block_manager,
+                                       num_kv_blocks, block_size, num_cpu_blocks,
+                                       needs_hidden=self.proposer.needs_hidden,
+                                       needs_features=self.proposer.needs_features,
+                                       kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
+                                       max_num_seqs=max_num_seqs)
+        self.runner = self.executor.driver_runner          # rank 0's runner (the only one at 1)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else self.config.eos_token_id
         self.groups: dict = {}                   # request_id -> [Request], sample 0 first
@@ -292,7 +297,7 @@ class LLMEngine:
             stats = self._scheduled_stats(sched)
             update = StepUpdate()
             if not sched.is_empty:
-                result = self.runner.execute(sched)
+                result = self.executor.execute_model(sched)
                 update = self.scheduler.update_from_output(sched, result, self._check_stop)
                 self._record_logprobs(sched, update, result)
                 self._record_spec(result)
@@ -478,6 +483,10 @@ class LLMEngine:
         """Speculative decoding counts over the engine's life (minillm.spec.SpecStats:
         acceptance_rate, mean_accepted_length, acceptance_by_position), or None."""
         return self.spec_stats
+
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes, if it has any (tensor parallelism)."""
+        self.executor.shutdown()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix that no running request holds (vLLM's reset_prefix_cache).
