@@ -233,7 +233,7 @@ BUGS = [
     ("block_keys", keys_with_partial_block, "one key per full block", "partly filled last block"),
     ("block_keys", keys_unchained, "chains its parent", "hashed every block on its own"),
     ("block_keys", keys_unchained, "exactly when", "chain the parent"),
-    ("block_keys", keys_python_hash, "stable across Python processes", "fresh Python process"),
+    ("block_keys", keys_python_hash, "per-process hash()", "seeded per process"),
     ("block_keys", keys_digits_run_together, "token boundaries", "digits run together"),
     ("block_keys", keys_depend_on_the_whole_prompt, "exactly when", "same first"),
     ("block_keys", keys_ignore_salt, "cache_salt", "same keys as no salt"),

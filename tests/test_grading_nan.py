@@ -56,6 +56,8 @@ def nanify(x):
         return float("nan")
     if isinstance(x, str):
         return "nan"
+    if isinstance(x, bytes):                   # e.g. a digest used as a key
+        return b"nan"
     if isinstance(x, torch.Tensor):
         return torch.full(x.shape, float("nan"), dtype=x.dtype if x.is_floating_point()
                           else torch.float32)

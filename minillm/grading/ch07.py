@@ -406,6 +406,7 @@ def _tm_expect(fn, parents, what):
 
 
 def _tm_chain(fn):
+    _tm_expect(fn, [-1], "the root alone")
     _tm_expect(fn, [-1, 0, 1, 2], "a chain: its mask is the causal one")
 
 
@@ -417,8 +418,8 @@ def _tm_deep(fn):
     _tm_expect(fn, [-1, 0, 0, 1, 1, 2, 3], "a node at depth 3 sees its grandparent too")
 
 
-def _tm_single(fn):
-    _tm_expect(fn, [-1], "the root alone")
+def _tm_binary(fn):
+    _tm_expect(fn, [-1, 0, 0, 1, 1, 2, 2], "two branches of two: each leaf sees its own path only")
 
 
 def _tm_random(fn):
@@ -429,10 +430,10 @@ def _tm_random(fn):
 
 
 TREE_MASK = Exercise("ch07.tree_attention_mask", "tree_attention_mask", (
-    Check("a chain gives the causal mask", _tm_chain),
+    Check("a one-node tree, and a chain gives the causal mask", _tm_chain),
     Check("siblings do not see each other", _tm_star),
     Check("a node sees every ancestor, not only its parent", _tm_deep),
-    Check("a one-node tree", _tm_single),
+    Check("two levels of two branches", _tm_binary),
     Check("agrees with minillm on 50 random trees", _tm_random),
 ))
 

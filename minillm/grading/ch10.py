@@ -43,7 +43,11 @@ def _call_pl(fn, x, w, b, world, mode):
         raise Problem(f"{mode}, world_size {world}: partials has "
                       f"{len(parts) if isinstance(parts, (tuple, list)) else type(parts).__name__}"
                       f" entries; return one tensor per rank")
-    return [p.float() for p in parts], y.float()
+    parts, y = [p.float() for p in parts], y.float()
+    if not all(torch.isfinite(t).all() for t in (*parts, y)):
+        raise Problem(f"{mode}, world_size {world}: the partials or y contain NaN or inf; every "
+                      "value is a sum of finite products")
+    return parts, y
 
 
 def _pl_column_shapes(fn):
