@@ -3,12 +3,11 @@ group, a second to start instead of a spawned process per rank), the pipeline ti
 and the GPU communication estimate as a table."""
 from __future__ import annotations
 
-import threading
 
 import torch
 
 from ..parallel import Communicator, add_all_reduce_hooks, shard_config, shard_state_dict
-from ..parallel.comm import LINKS, all_reduce_seconds_estimate
+from ..parallel.comm import LINKS, all_reduce_seconds_estimate, run_on_threads
 from ..parallel.worker import build_shard
 
 
@@ -17,26 +16,17 @@ def threaded_tp_forward(model, tp: int, input_ids, timeout_s: float = 120.0):
     Returns ([logits [1, T, V] per rank], [CommStats per rank])."""
     cfg, full = model.config, model.state_dict()
     store = torch.distributed.HashStore()
-    logits, stats, errors = [None] * tp, [None] * tp, []
+    logits, stats = [None] * tp, [None] * tp
 
     def rank_main(rank):
-        try:
-            comm = Communicator(rank, tp, 0, timeout_s, store=store)
-            shard = build_shard(shard_config(cfg, tp), shard_state_dict(full, cfg, rank, tp),
-                                model.dtype)
-            add_all_reduce_hooks(shard, comm)
-            with torch.inference_mode():
-                logits[rank] = shard(input_ids)
-            stats[rank] = comm.stats
-        except Exception as e:                      # noqa: BLE001 - raised below
-            errors.append(e)
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    if errors or any(t.is_alive() for t in threads):
-        raise RuntimeError(f"a rank failed or hung: {errors}")
+        comm = Communicator(rank, tp, 0, timeout_s, store=store)
+        shard = build_shard(shard_config(cfg, tp), shard_state_dict(full, cfg, rank, tp),
+                            model.dtype)
+        add_all_reduce_hooks(shard, comm)
+        with torch.inference_mode():
+            logits[rank] = shard(input_ids)
+        stats[rank] = comm.stats
+    run_on_threads(rank_main, tp, timeout_s, "a rank")
     return logits, stats
 
 

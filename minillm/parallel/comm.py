@@ -13,6 +13,7 @@ machine it measures skew as well as transfer.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from dataclasses import dataclass
 
@@ -114,3 +115,23 @@ def all_reduce_seconds_estimate(payload_bytes: float, world_size: int, link: str
 def tp_all_reduce_bytes_per_token(cfg, dtype_bytes: int) -> int:
     """Payload all-reduced per token by a tensor-parallel forward: 2 per layer of [hidden]."""
     return 2 * cfg.num_layers * cfg.hidden_size * dtype_bytes
+
+
+def run_on_threads(fn, world_size: int, timeout_s: float, what: str) -> None:
+    """fn(rank) for every rank, one thread each (ranks of one process meeting in a gloo group:
+    the lectures' demonstrations); each join is bounded, and a rank that raised or hung is a
+    RuntimeError naming `what`."""
+    errors = []
+
+    def run(rank):
+        try:
+            fn(rank)
+        except Exception as e:                      # noqa: BLE001 - raised below
+            errors.append(e)
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors or any(t.is_alive() for t in threads):
+        raise RuntimeError(f"{what} failed or hung: {errors}")

@@ -21,13 +21,12 @@ that timeline. Not wired into LLM: `LLM(pipeline_parallel_size > 1)` is refused.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
-from .comm import Communicator
+from .comm import Communicator, run_on_threads
 
 
 def stage_layers(num_layers: int, pp: int) -> list:
@@ -89,21 +88,12 @@ def pipeline_forward(model, micro_batches: list, pp: int, timeout_s: float = 120
     Returns ([logits [1, T_i, V]], [Span] compute times, [CommStats] per stage)."""
     stage_layers(len(model.layers), pp)                     # ValueError for a bad pp
     store = torch.distributed.HashStore()
-    out, spans, stats, errors = [None] * len(micro_batches), [], [None] * pp, []
+    out, spans, stats = [None] * len(micro_batches), [], [None] * pp
 
     def stage(rank):
-        try:
-            comm = Communicator(rank, pp, 0, timeout_s, store=store)
-            with torch.inference_mode():
-                _run_stage(model, rank, pp, comm, micro_batches, out, spans)
-            stats[rank] = comm.stats
-        except Exception as e:                              # noqa: BLE001 - raised below
-            errors.append(e)
-    threads = [threading.Thread(target=stage, args=(r,), daemon=True) for r in range(pp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout_s)
-    if errors or any(t.is_alive() for t in threads):
-        raise RuntimeError(f"a pipeline stage failed or hung: {errors}")
+        comm = Communicator(rank, pp, 0, timeout_s, store=store)
+        with torch.inference_mode():
+            _run_stage(model, rank, pp, comm, micro_batches, out, spans)
+        stats[rank] = comm.stats
+    run_on_threads(stage, pp, timeout_s, "a pipeline stage")
     return out, sorted(spans, key=lambda s: (s.stage, s.micro_batch)), stats
