@@ -117,28 +117,36 @@ def causal_attention(q, k, v, q_start: int = 0):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, on a CPU, computes a 2-4 row product as (W @ x^T)^T.
+    """nn.Linear that, on a CPU with fp32 weights, computes a 1-4 row product as (W @ x^T)^T.
 
-    A decode step multiplies a handful of rows (one per running sequence) by each weight. For
-    2-4 rows PyTorch's CPU GEMM took a path 1.3-8x slower than the same product written the
-    other way round, W [N, K] @ x^T [K, M], on the course's 2-core CPU; 1 row (a matrix-vector
-    product) and many rows were as fast either way (benchmarks/bench_skinny_gemm.py measures a
-    machine). Same numbers up to float rounding (tests/test_model.py checks); parameters and
-    state-dict names are nn.Linear's. A GPU always takes F.linear.
+    A decode step multiplies a handful of rows (one per running sequence) by each weight. On the
+    course's 2-core CPU PyTorch's fp32 GEMM took a path 1.3-8x slower for 2-4 rows than the same
+    product written the other way round, W [N, K] @ x^T [K, M]; and 1 row (a matrix-vector
+    product, either way round) read the weights from memory at about a third of the bandwidth
+    that a two-row product reaches, so a single row is duplicated into two and one result kept:
+    the step is bound by reading W, and the second row rides along for free.
+    benchmarks/bench_skinny_gemm.py measures a machine, with the weights coming from memory as in
+    a real step (timed alone, a weight sits in the cache and every path looks fast). bf16
+    weights take F.linear, which is faster for them at every row count. Same numbers up to float
+    rounding (tests/test_model.py checks); parameters and state-dict names are nn.Linear's. A GPU
+    always takes F.linear.
     """
 
-    SKINNY_ROWS = range(2, 5)                                # set to range(0) to turn it off
+    SKINNY_ROWS = range(1, 5)                                # set to range(0) to turn it off
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if x.device.type != "cpu" or rows not in self.SKINNY_ROWS:
+        if (x.device.type != "cpu" or rows not in self.SKINNY_ROWS
+                or self.weight.dtype != torch.float32):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])                  # [M, K]
+        if rows == 1:
+            flat = flat.repeat(2, 1)                         # [2, K]: a GEMM, not a GEMV
         if self.bias is None:
             out = torch.mm(self.weight, flat.t())            # [N, M]
         else:
             out = torch.addmm(self.bias[:, None], self.weight, flat.t())
-        return out.t().contiguous().view(*x.shape[:-1], self.out_features)
+        return out[:, :rows].t().contiguous().view(*x.shape[:-1], self.out_features)
 
 
 class MergedColumnParallelLinear(Linear):
