@@ -141,7 +141,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])                  # [M, K]
         if rows == 1:
-            flat = flat.repeat(2, 1)                         # [2, K]: a GEMM, not a GEMV
+            flat = torch.cat((flat, flat))                   # [2, K]: a GEMM, not a GEMV
         if self.bias is None:
             out = torch.mm(self.weight, flat.t())            # [N, M]
         else:
