@@ -45,7 +45,7 @@ def test_plot_draws_the_spread_of_repeats(tmp_path):
 def test_skinny_gemm_benchmark_runs(capsys):
     load("bench_skinny_gemm").main(["--rows", "1", "4", "--layers", "1", "--repeats", "1"])
     out = capsys.readouterr().out
-    for name in ("q/o proj", "gate/up", "down", "lm_head"):
+    for name in ("qkv_proj", "o_proj", "gate_up", "down", "lm_head"):
         line = next(l for l in out.splitlines() if l.startswith(name))
         assert len([float(v) for v in line[22:].split()]) == 2
 
