@@ -2,9 +2,10 @@
 plain-PyTorch twin (`quant.linear.int4_linear_ref`: dequantize, then multiply in fp32).
 
 Without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 and the kernel runs through Triton's
-interpreter on CPU tensors (tiny shapes: the whole file takes a few seconds). bf16 activations
-are tested too: the interpreter computes bf16 products wrongly, so the kernel upcasts there
-(`paged_decode.dot`), which gives the numbers a GPU computes. The last test needs CUDA.
+interpreter on CPU tensors (tiny shapes: about 17 s on 2 cores, 8 of them compiling the kernel
+for sm_90 without a GPU). bf16 activations are tested too: the interpreter computes bf16
+products wrongly, so the kernel upcasts there (`paged_decode.dot`), which gives the numbers a
+GPU computes. test_gpu_engine_int4_matches_the_fp32_twin needs CUDA (make test-gpu runs it).
 """
 import pytest
 import torch
@@ -140,3 +141,45 @@ def test_gpu_engine_int4_matches_the_fp32_twin():
     set_impl(model, "reference")
     want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+COMPILE = """
+import json, torch
+from minillm.kernels import int4_gemm as k
+from minillm.kernels import compile_check
+from minillm.kernels.compile_check import compile_launch, resource_usage
+compile_check.TRITON_TYPES.setdefault(torch.uint8, "u8")     # the packed nibbles
+rows = []
+for dtype in (torch.bfloat16, torch.float32):
+  for M in (1, 16, 64):
+    for g in (32, 64, 128):
+        N, K, meta = 1536, 576, dict(device="meta")
+        x = torch.empty(M, K, dtype=dtype, **meta)
+        qw = torch.empty(N, K // 2, dtype=torch.uint8, **meta)
+        s = torch.empty(N, K // g, dtype=torch.float32, **meta)
+        out = torch.empty(M, N, dtype=dtype, **meta)
+        _, args, kwargs = k.launch(x, qw, s, s, out, g)
+        rows.append(dict(M=M, g=g, dtype=str(dtype), **resource_usage(
+            compile_launch(k._int4_gemm_kernel, args, kwargs, 90))))
+print(json.dumps(rows))
+"""
+
+
+def test_kernel_compiles_for_h100_without_spills():
+    """The interpreter never compiles; this does (Triton IR -> PTX -> cubin for sm_90 with the
+    ptxas in Triton's wheel, no GPU needed): bf16 and fp32 activations, decode and prefill
+    tiles, every group size."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    run = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True,
+                         env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(rows) == 18
+    for r in rows:
+        assert r["stack_bytes"] == 0, f"spills registers: {r}"
+        assert r["shared_bytes"] <= 228 * 1024, r             # H100 shared memory per SM

@@ -18,13 +18,16 @@ The storage is the package's own (minillm/quant/rtn.py), no reshuffling:
     zeros   [N, K/g] fp32    integer zero points 0..15:   W[n, k] ~ (q[n, k] - zero) * scale
 
 The tiling. Program (i, j) owns the output tile y[i*BM : (i+1)*BM, j*BN : (j+1)*BN] and walks K
-one group at a time (BLOCK_K = g, so one scale and one zero per output column per step):
+in tiles of BK columns. BK is the group size or a power-of-two divisor of it (at most 64, so the
+expanded tile fits in registers), so a whole tile lies inside one group: one scale and one zero
+point per output column per step.
 
-    for each group:                                  K-tile of g columns
-        x_tile   = x[rows, group]                    [BM, g]   activation dtype
-        bytes    = qweight[cols, group // 2]         [g, BN]   each byte read for 2 columns
-        q        = (bytes >> 4 * (k % 2)) & 0xF      [g, BN]   the nibble of column k
-        w        = (q - zero[cols]) * scale[cols]    [g, BN]   fp32, then the activation dtype
+    for each K-tile ks (group = ks.start // g):
+        x_tile   = x[rows, ks]                       [BM, BK]  activation dtype
+        bytes    = qweight[cols, ks // 2]            [BK, BN]  each byte serves 2 columns
+        q        = (bytes >> 4 * (k % 2)) & 0xF      [BK, BN]  the nibble of column k
+        w        = (q - zero[cols, group])
+                   * scale[cols, group]              [BK, BN]  fp32, then the activation dtype
         acc     += x_tile @ w                        [BM, BN]  fp32 accumulator (tensor cores)
     y[rows, cols] = acc                              written in the activation dtype
 
@@ -57,7 +60,7 @@ import triton.language as tl
 from .paged_decode import dot, dot_options, interpreting
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-GROUP_SIZES = (32, 64, 128)          # powers of two >= 16: one K-tile of tl.dot per group
+GROUP_SIZES = (32, 64, 128)          # powers of two >= 16 (tl.dot's smallest K-tile)
 
 
 @triton.jit
@@ -71,7 +74,8 @@ def _int4_gemm_kernel(
     stride_qn, stride_qk,
     stride_sn, stride_sg,           # scales and zeros share strides (both contiguous [N, K/g])
     stride_om, stride_on,
-    GROUP_SIZE: tl.constexpr,       # g: the K-tile, one scale / zero per column per tile
+    GROUP_SIZE: tl.constexpr,       # g: columns that share one scale / zero point
+    BLOCK_K: tl.constexpr,          # the K-tile: g or a power-of-two divisor of it
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,   # see paged_decode.dot
 ):
@@ -79,24 +83,25 @@ def _int4_gemm_kernel(
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)            # [BM]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)            # [BN]
-    ks = tl.arange(0, GROUP_SIZE)                             # [g]
+    ks = tl.arange(0, BLOCK_K)                                # [BK]
     row_ok = rows < M
     col_ok = cols < N
-    shift = (ks % 2) * 4                                      # [g] low nibble for even k
+    shift = (ks % 2) * 4                                      # [BK] low nibble for even k
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for group in range(0, K // GROUP_SIZE):
-        k = group * GROUP_SIZE + ks                           # [g] this tile's input columns
+    for tile in range(0, K // BLOCK_K):
+        k = tile * BLOCK_K + ks                               # [BK] this tile's input columns
+        group = (tile * BLOCK_K) // GROUP_SIZE                # one group holds the whole tile
         x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=row_ok[:, None], other=0.0)          # [BM, g]
+                    mask=row_ok[:, None], other=0.0)          # [BM, BK]
         packed = tl.load(qweight_ptr + cols[None, :] * stride_qn + (k[:, None] // 2) * stride_qk,
-                         mask=col_ok[None, :], other=0)       # [g, BN] uint8
-        q = (packed.to(tl.int32) >> shift[:, None]) & 0xF     # [g, BN] 0..15
+                         mask=col_ok[None, :], other=0)       # [BK, BN] uint8
+        q = (packed.to(tl.int32) >> shift[:, None]) & 0xF     # [BK, BN] 0..15
         scale = tl.load(scales_ptr + cols * stride_sn + group * stride_sg,
                         mask=col_ok, other=0.0)               # [BN]
         zero = tl.load(zeros_ptr + cols * stride_sn + group * stride_sg,
                        mask=col_ok, other=0.0)                # [BN]
-        w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]          # [g, BN] fp32
+        w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]          # [BK, BN] fp32
         acc += dot(x, w.to(x.dtype), DOT_PRECISION, UPCAST)             # [BM, BN]
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -136,10 +141,27 @@ def check_int4_gemm(x, qweight, scales, zeros, group_size: int) -> None:
             f"{os.environ.get('TRITON_INTERPRET')!r}), or move the tensors to CUDA")
 
 
-def block_sizes(M: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N): 16 rows (tl.dot's minimum) for decode batches, more for prefill."""
+def block_sizes(M: int, group_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows (tl.dot's minimum) for decode batches, more for
+    prefill; a K-tile of at most 64 columns; smaller tiles for fp32 activations. Each choice
+    keeps the tiles in registers (no spills: tests/test_int4_gemm.py compiles them for sm_90)."""
+    if dtype == torch.float32:                   # exact fp32 products: no tensor cores, small tiles
+        return (16 if M <= 16 else 32), 32, min(group_size, 32)
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    return block_m, 32 if M <= 16 else 64
+    return block_m, 32 if M <= 16 else 64, min(group_size, 64)
+
+
+def launch(x, qweight, scales, zeros, out, group_size: int):
+    """(grid, positional args, keyword args) of the kernel launch (compile_check uses it too)."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    block_m, block_n, block_k = block_sizes(M, group_size, x.dtype)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    args = (x, qweight, scales, zeros, out, M, N, K,
+            *x.stride(), *qweight.stride(), *scales.stride(), *out.stride())
+    kwargs = dict(GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=4, num_stages=3, **dot_options(x.dtype))
+    return grid, args, kwargs
 
 
 def int4_gemm(x, qweight, scales, zeros, group_size: int):
@@ -147,16 +169,9 @@ def int4_gemm(x, qweight, scales, zeros, group_size: int):
 
     qweight [N, K/2] uint8 (rtn.pack_int4's nibble order), scales / zeros [N, K/g] fp32."""
     check_int4_gemm(x, qweight, scales, zeros, group_size)
-    M, K = x.shape
-    N = qweight.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
+    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype, device=x.device)   # [M, N]
+    if out.numel() == 0:
         return out
-    block_m, block_n = block_sizes(M)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, out, M, N, K,
-        *x.stride(), *qweight.stride(), *scales.stride(), *out.stride(),
-        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=4, num_stages=3, **dot_options(x.dtype))
+    grid, args, kwargs = launch(x, qweight, scales, zeros, out, group_size)
+    _int4_gemm_kernel[grid](*args, **kwargs)
     return out
