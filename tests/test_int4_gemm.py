@@ -21,13 +21,14 @@ from minillm.quant.rtn import dequantize_int4, pack_int4, quantize_int4, unpack_
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")   # make test-gpu: compiled
 
 
 def quantized(N, K, group_size, seed):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(N, K, generator=g) + 0.2                          # [N, K], not centred
     q, scale, zero = quantize_int4(w, group_size)
-    return q, scale, zero
+    return q.to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
 
 
 def bf16_bound(x, q, scale, zero, ref):
@@ -43,7 +44,7 @@ def bf16_bound(x, q, scale, zero, ref):
 def test_kernel_matches_twin(M, group_size, dtype):
     N, K = 48 + 8 * (M % 3), 2 * group_size + 128                    # N not a tile multiple
     q, scale, zero = quantized(N, K, group_size, seed=M + group_size)
-    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(DEVICE, dtype)
     out = int4_gemm(x, pack_int4(q), scale, zero, group_size)          # [M, N]
     assert out.shape == (M, N) and out.dtype == dtype
     ref = int4_linear_ref(x.float(), q, scale, zero)                   # fp32 twin
@@ -58,13 +59,14 @@ def test_kernel_reads_the_nibbles_in_pack_int4_order():
     """One nonzero weight at a time: the kernel must find it at its own column (a swapped nibble
     order or an off-by-one group index moves it)."""
     N, K, g = 16, 64, 32
-    x = torch.eye(K)[:20]                                              # row i picks column i
+    x = torch.eye(K, device=DEVICE)[:20]                               # row i picks column i
     for n, k in ((0, 0), (3, 1), (7, 33), (15, 63)):
-        q = torch.full((N, K), 8, dtype=torch.uint8)
+        q = torch.full((N, K), 8, dtype=torch.uint8, device=DEVICE)
         q[n, k] = 13
-        scale, zero = torch.full((N, K // g), 0.5), torch.full((N, K // g), 8.0)
+        scale = torch.full((N, K // g), 0.5, device=DEVICE)
+        zero = torch.full((N, K // g), 8.0, device=DEVICE)
         out = int4_gemm(x, pack_int4(q), scale, zero, g)               # [20, N]
-        expect = torch.zeros(20, N)
+        expect = torch.zeros(20, N, device=DEVICE)
         if k < 20:
             expect[k, n] = 2.5
         torch.testing.assert_close(out, expect)
@@ -72,9 +74,9 @@ def test_kernel_reads_the_nibbles_in_pack_int4_order():
 
 def test_int4_linear_triton_impl_matches_its_twin_with_bias():
     torch.manual_seed(0)
-    lin = nn.Linear(128, 48, bias=True)
+    lin = nn.Linear(128, 48, bias=True).to(DEVICE)
     ql = Int4Linear(lin, 64)
-    x = torch.randn(2, 3, 128)
+    x = torch.randn(2, 3, 128, device=DEVICE)
     ql.impl = "triton"
     out = ql(x)
     assert out.shape == (2, 3, 48)
@@ -87,7 +89,7 @@ def tiny_model():
         name="tiny", num_layers=2, hidden_size=128, intermediate_size=256, num_heads=4,
         num_kv_heads=2, head_dim=32, vocab_size=256, max_position_embeddings=128,
         eos_token_id=None, bos_token_id=None)
-    return random_model(cfg, "cpu", torch.float32, seed=0, std=0.3)
+    return random_model(cfg, DEVICE, torch.float32, seed=0, std=0.3)
 
 
 def test_engine_greedy_tokens_with_the_triton_kernel_equal_the_twins():
@@ -108,15 +110,15 @@ def test_bad_input_names_the_fix():
     q, scale, zero = quantized(16, 128, 64, seed=0)
     packed = pack_int4(q)
     with pytest.raises(ValueError, match=r"K = 96 is not a multiple of group_size 64.*\[32\]"):
-        int4_gemm(torch.randn(2, 96), packed[:, :48], scale[:, :1], zero[:, :1], 64)
+        int4_gemm(torch.randn(2, 96, device=DEVICE), packed[:, :48], scale[:, :1], zero[:, :1], 64)
     with pytest.raises(ValueError, match="group_size must be one of"):
-        int4_gemm(torch.randn(2, 128), packed, scale, zero, 48)
+        int4_gemm(torch.randn(2, 128, device=DEVICE), packed, scale, zero, 48)
     with pytest.raises(ValueError, match=r"qweight must be uint8 \[N, K/2\]"):
-        int4_gemm(torch.randn(2, 128), q, scale, zero, 64)             # unpacked nibbles
+        int4_gemm(torch.randn(2, 128, device=DEVICE), q, scale, zero, 64)   # unpacked nibbles
     with pytest.raises(ValueError, match=r"x must be \[M, K\].*reshape"):
-        int4_gemm(torch.randn(1, 2, 128), packed, scale, zero, 64)
+        int4_gemm(torch.randn(1, 2, 128, device=DEVICE), packed, scale, zero, 64)
     with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
-        int4_gemm(torch.randn(2, 128).double(), packed, scale, zero, 64)
+        int4_gemm(torch.randn(2, 128, device=DEVICE).double(), packed, scale, zero, 64)
     with pytest.raises(ValueError, match=r"impl must be one of"):
         set_impl(tiny_model(), "cuda")
     ql = Int4Linear(nn.Linear(64, 16), 32)
@@ -183,3 +185,18 @@ def test_kernel_compiles_for_h100_without_spills():
     for r in rows:
         assert r["stack_bytes"] == 0, f"spills registers: {r}"
         assert r["shared_bytes"] <= 228 * 1024, r             # H100 shared memory per SM
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_benchmark_refuses_without_a_gpu():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_int4_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_int4_gemm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU.*bench_quant.py"):
+        bench.main([])
+    assert bench.shapes(configs.get("smollm2-135m")) == {
+        "qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
+        "down_proj": (576, 1536)}
