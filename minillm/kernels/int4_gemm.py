@@ -9,8 +9,9 @@ if the 4-bit values are what crosses the memory bus. Dequantizing the whole matr
 one kernel and calling a bf16 GEMM in a second would write and read the bf16 copy again: more
 traffic than not quantizing at all. So this kernel reads the packed bytes, expands them to
 bf16 in registers, and feeds the tensor cores directly. At large M (prefill) the same GEMM is
-compute-bound and the 4-bit weights save nothing; there the expansion is pure overhead, which
-is why engines switch back to a bf16 GEMM (or an fp8 one) for long prompts.
+compute-bound and the 4-bit weights save nothing; there the expansion, repeated by every tile
+of rows, is overhead, which is why some int4 libraries (exllamav2, for one) expand the weight
+to a bf16 copy once and call an ordinary GEMM when the prompt is long.
 
 The storage is the package's own (minillm/quant/rtn.py), no reshuffling:
     qweight [N, K/2] uint8   column 2j of W in the low nibble of byte j, column 2j + 1 in the high
