@@ -54,7 +54,7 @@ test-gpu: gpu-present $(STAMP)
 	  'torch ' + torch.__version__ + ' cannot use the GPU (a CPU build?): run make clean-venv, then make test-gpu to reinstall torch with CUDA')"
 	env -u TRITON_INTERPRET $(BIN)/python -c "import torch; from minillm.loader import default_dtype; \
 	  d = torch.device('cuda'); print(torch.cuda.get_device_name(d), 'capability', torch.cuda.get_device_capability(d), 'model dtype', default_dtype(d))"
-	env -u TRITON_INTERPRET $(BIN)/python -m pytest -p no:randomly tests/test_kernels.py tests/test_paged_cache.py tests/test_device_policy.py
+	env -u TRITON_INTERPRET $(BIN)/python -m pytest -p no:randomly tests/test_kernels.py tests/test_paged_cache.py tests/test_device_policy.py tests/test_int4_gemm.py
 	env -u TRITON_INTERPRET $(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=$(NB_TIMEOUT) -p no:randomly notebooks
 
 gpu-present:

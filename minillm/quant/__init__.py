@@ -3,7 +3,8 @@
     rtn.py      round-to-nearest formats: int8 per channel, int4 group-wise with zero points,
                 nibble packing
     linear.py   Int8Linear / Int4Linear on PyTorch's packed CPU kernels, each with a
-                plain-PyTorch twin (dequantize, then multiply)
+                plain-PyTorch twin (dequantize, then multiply); int4 on a CUDA device runs
+                the Triton dequant-GEMM of minillm/kernels/int4_gemm.py
     gptq.py     GPTQ: int4 that compensates each column's rounding error on the columns not
                 yet quantized, using a Hessian from a small calibration set, layer by layer
     gguf.py     the bundled GGUF's Q4_1 blocks, decoded by hand
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from .linear import Int4Linear, Int8Linear, QuantLinear
+from .linear import IMPLS, Int4Linear, Int8Linear, QuantLinear, set_impl
 from .rtn import INT4_GROUP_SIZES, check_group_size
 
 QUANTIZATION_METHODS = ("int8", "int4")
@@ -83,4 +84,5 @@ def weight_bytes(model) -> int:
 
 
 __all__ = ["QUANTIZATION_METHODS", "DEFAULT_GROUP_SIZE", "check_quantization", "quantize_model",
-           "decoder_linears", "weight_bytes", "Int8Linear", "Int4Linear", "QuantLinear"]
+           "decoder_linears", "weight_bytes", "Int8Linear", "Int4Linear", "QuantLinear", "IMPLS",
+           "set_impl"]

@@ -15,9 +15,18 @@ to a slow path on this course's CPU), so the layer casts its input to bf16 and i
 the rest of the model keeps its own dtype. The int4 kernel dequantizes as (q - 8) * scale + z,
 so our integer zero point becomes z = (8 - zero) * scale (the same numbers, another bookkeeping).
 
+On a CUDA device int4 runs the Triton dequant-GEMM of `minillm/kernels/int4_gemm.py`: it reads
+the same packed nibbles, scales and zero points the twin reads, expands them in registers and
+multiplies in the activations' dtype (bf16 on a GPU) with fp32 accumulation. int8 has no GPU
+kernel here yet: on a GPU it runs its twin (correct, but it saves no bandwidth).
+
 Every kernel has a plain-PyTorch twin here (`int8_linear_ref`, `int4_linear_ref`): dequantize to
-fp32 and multiply. tests/test_quant.py checks kernel against twin. On a GPU (or when a kernel is
-missing) the twin runs: correct, but it saves no bandwidth (a Triton dequant-GEMM is left to do).
+fp32 and multiply. tests/test_quant.py and tests/test_int4_gemm.py check kernel against twin.
+
+Which matmul runs is the layer's choice, by the input's device (`impl=None`): "packed" on a CPU
+(when the layer was built there), "triton" on CUDA for int4, "reference" otherwise. Setting a
+layer's `impl` to one of IMPLS forces it (the tests run "triton" on a CPU under Triton's
+interpreter; `set_impl(model, ...)` sets every quantized layer of a model).
 """
 from __future__ import annotations
 
@@ -41,12 +50,17 @@ def int4_linear_ref(x, q, scale, zero, bias=None):
                     None if bias is None else bias.float()).to(x.dtype)
 
 
+IMPLS = (None, "packed", "triton", "reference")
+
+
 def _packed_kernels_here(device) -> bool:
     return torch.device(device).type == "cpu"
 
 
 class QuantLinear(nn.Module):
-    """Shared by the two formats: bias, shapes, the kernel-or-twin choice."""
+    """Shared by the two formats: bias, shapes, the choice of matmul by device."""
+
+    gpu_impl = "reference"                                   # a format with a GPU kernel says so
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -54,21 +68,51 @@ class QuantLinear(nn.Module):
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(),
                                                            requires_grad=False)
-        self.use_kernel = _packed_kernels_here(linear.weight.device)
+        self.use_kernel = _packed_kernels_here(linear.weight.device)   # CPU packed buffers built
+        self.impl = None
+
+    def choose_impl(self, device: torch.device) -> str:
+        """The matmul for inputs on `device`: "packed" (PyTorch's CPU kernels), "triton" (the
+        GPU dequant-GEMM) or "reference" (the twin)."""
+        if self.impl == "packed" and not self.use_kernel:
+            raise ValueError("impl='packed' needs the CPU packed weights, built when the layer is "
+                             "quantized on a CPU: quantize on the CPU, or use impl=None")
+        if self.impl is not None:
+            return self.impl
+        if device.type == "cpu":
+            return "packed" if self.use_kernel else "reference"
+        return self.gpu_impl if device.type == "cuda" else "reference"
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
         flat = x.reshape(-1, self.in_features)               # [M, K]
-        if self.use_kernel and flat.device.type == "cpu":
-            out = self.kernel(flat.to(torch.bfloat16)).to(x.dtype)       # [M, N]
+        impl = self.choose_impl(flat.device)
+        if impl == "reference":
+            out = self.reference(flat)
+        else:
+            if impl == "packed":                             # bf16 in, bf16 out (see above)
+                out = self.kernel(flat.to(torch.bfloat16)).to(x.dtype)   # [M, N]
+            else:
+                out = self.triton_kernel(flat)               # [M, N] in x's dtype
             if self.bias is not None:
                 out = out + self.bias.to(x.dtype)
-        else:
-            out = self.reference(flat)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def triton_kernel(self, x):
+        raise ValueError(f"{type(self).__name__} has no Triton kernel: use impl='reference' "
+                         "or None")
 
     def weight_bytes(self) -> int:
         """Bytes the matmul reads for the weight (quantized values and their scales)."""
         raise NotImplementedError
+
+
+def set_impl(model, impl) -> None:
+    """Force one matmul (an entry of IMPLS; None: by device) on every quantized layer of model."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.impl = impl
 
 
 class Int8Linear(QuantLinear):
@@ -102,6 +146,8 @@ class Int8Linear(QuantLinear):
 class Int4Linear(QuantLinear):
     """Weight-only int4, asymmetric, one scale and zero point per group of input columns."""
 
+    gpu_impl = "triton"
+
     def __init__(self, linear: nn.Linear, group_size: int = 64, q=None, scale=None, zero=None):
         super().__init__(linear)
         check_group_size(group_size, linear.in_features)
@@ -122,6 +168,10 @@ class Int4Linear(QuantLinear):
     def kernel(self, x):                                     # x [M, K] bf16 -> [M, N] bf16
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
                                                           self.scales_and_zeros)
+
+    def triton_kernel(self, x):                              # x [M, K] -> [M, N], x's dtype
+        from ..kernels.int4_gemm import int4_gemm            # Triton: imported only when used
+        return int4_gemm(x, self.qweight, self.qscale, self.zero, self.group_size)
 
     def reference(self, x):
         return int4_linear_ref(x, unpack_int4(self.qweight), self.qscale, self.zero, self.bias)
