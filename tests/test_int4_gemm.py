@@ -148,9 +148,7 @@ def test_gpu_engine_int4_matches_the_fp32_twin():
 COMPILE = """
 import json, torch
 from minillm.kernels import int4_gemm as k
-from minillm.kernels import compile_check
 from minillm.kernels.compile_check import compile_launch, resource_usage
-compile_check.TRITON_TYPES.setdefault(torch.uint8, "u8")     # the packed nibbles
 rows = []
 for dtype in (torch.bfloat16, torch.float32):
   for M in (1, 16, 64):

@@ -16,7 +16,8 @@ first used, so the references work where Triton is not installed.
 Files: reference.py (the twins), batched.py (the fast CPU path), kv_quant.py (fp8 cache
 conversions), store_kv_kernel.py,
 paged_decode.py (single-pass and split-KV decode, and the rule that picks one), paged_prefill.py,
-checks.py (input checks), compile_check.py (compile the kernels for a GPU on a machine without one).
+checks.py (input checks), compile_check.py (compile the kernels for a GPU on a machine without one),
+int4_gemm.py (chapter 09: the int4 dequant-GEMM that quantized linear layers run on a GPU).
 
 Keyword-only extras (not part of the vLLM-style signature):
     impl          None (by device: "triton" on CUDA, "torch" elsewhere) | "triton" | "torch"

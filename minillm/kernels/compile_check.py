@@ -28,7 +28,7 @@ from triton.compiler import ASTSource, make_backend
 from . import paged_decode, paged_prefill, store_kv_kernel
 
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                torch.int32: "i32", torch.int64: "i64",
+                torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
                 torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5"}
 
 
