@@ -117,22 +117,23 @@ def causal_attention(q, k, v, q_start: int = 0):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, on a CPU with fp32 weights, computes a 1-4 row product as (W @ x^T)^T.
+    """nn.Linear that, on a CPU with fp32 weights, computes a 1-8 row product as (W @ x^T)^T.
 
-    A decode step multiplies a handful of rows (one per running sequence) by each weight. On the
-    course's 2-core CPU PyTorch's fp32 GEMM took a path 1.3-8x slower for 2-4 rows than the same
-    product written the other way round, W [N, K] @ x^T [K, M]; and 1 row (a matrix-vector
-    product, either way round) read the weights from memory at about a third of the bandwidth
-    that a two-row product reaches, so a single row is duplicated into two and one result kept:
-    the step is bound by reading W, and the second row rides along for free.
-    benchmarks/bench_skinny_gemm.py measures a machine, with the weights coming from memory as in
-    a real step (timed alone, a weight sits in the cache and every path looks fast). bf16
-    weights take F.linear, which is faster for them at every row count. Same numbers up to float
-    rounding (tests/test_model.py checks); parameters and state-dict names are nn.Linear's. A GPU
-    always takes F.linear.
+    A decode step multiplies a handful of rows (one per running sequence, or k + 1 per sequence
+    when speculation verifies k guesses) by each weight. On the course's 2-core CPU PyTorch's
+    fp32 GEMM took a path 1.2-8x slower for 2-8 rows than the same product written the other way
+    round, W [N, K] @ x^T [K, M]; and 1 row (a matrix-vector product, either way round) read the
+    weights from memory at about a third of the bandwidth that a two-row product reaches, so a
+    single row is duplicated into two and one result kept: the step is bound by reading W, and
+    the second row rides along for free. benchmarks/bench_skinny_gemm.py measures a machine,
+    with the weights coming from memory as in a real step (timed alone, a weight sits in the
+    cache and every path looks fast); from 6 rows the down projection alone prefers F.linear,
+    and the whole forward still gains. bf16 weights take F.linear, which is faster for them at
+    every row count. Same numbers up to float rounding (tests/test_model.py checks); parameters
+    and state-dict names are nn.Linear's. A GPU always takes F.linear.
     """
 
-    SKINNY_ROWS = range(1, 5)                                # set to range(0) to turn it off
+    SKINNY_ROWS = range(1, 9)                                # set to range(0) to turn it off
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0

@@ -50,9 +50,9 @@ def test_bundled_batched_logits_match_transformers(bundled, hf_bundled):
     assert diff <= TOL
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (4, 1), (2, 1), (1, 3), (1, 4)])
+@pytest.mark.parametrize("shape", [(1, 1), (4, 1), (2, 1), (1, 3), (1, 5), (2, 4)])
 def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
-    # 1-4 rows take minillm.model.Linear's transposed product (a decode step's shape).
+    # 1-8 rows take minillm.model.Linear's transposed product (a decode step's shape).
     model, _ = bundled
     ids = torch.randint(0, model.config.vocab_size, shape,
                         generator=torch.Generator().manual_seed(3))
@@ -62,7 +62,7 @@ def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (1, 4), (2, 2), (4, 1), (0,)])
+@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (8,), (9,), (1, 4), (2, 2), (4, 1), (0,)])
 def test_linear_orientation_matches_f_linear(bias, lead):
     torch.manual_seed(0)
     layer = minillm.model.Linear(24, 40, bias=bias)
@@ -79,14 +79,14 @@ def test_linear_takes_the_transposed_product_only_for_skinny_inputs(monkeypatch)
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(tuple(b.shape)) or real_mm(a, b))
     layer = minillm.model.Linear(8, 16, bias=False)
-    for rows in (1, 2, 4, 5, 64):
+    for rows in (1, 2, 4, 8, 9, 64):
         layer(torch.randn(rows, 8))
-    assert calls == [(8, 2), (8, 2), (8, 4)]                 # one row goes in as two
+    assert calls == [(8, 2), (8, 2), (8, 4), (8, 8)]         # one row goes in as two
     layer.to(torch.bfloat16)(torch.randn(2, 8, dtype=torch.bfloat16))
-    assert len(calls) == 3                                   # bf16 weights: F.linear
+    assert len(calls) == 4                                   # bf16 weights: F.linear
     monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
     layer.float()(torch.randn(4, 8))
-    assert calls == [(8, 2), (8, 2), (8, 4)]
+    assert calls == [(8, 2), (8, 2), (8, 4), (8, 8)]
 
 
 def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundled):
