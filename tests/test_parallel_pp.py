@@ -145,6 +145,8 @@ def test_refusals_name_what_works(model, three_layers):
              (dict(pipeline_parallel_size=2, tensor_parallel_size=2), "use one of them"),
              (dict(pipeline_parallel_size=2, speculative_config={
                  "method": "ngram", "num_speculative_tokens": 2}), "pipeline_parallel_size=1"),
+             (dict(pipeline_parallel_size=2, kv_cache_dtype="fp8"), "kv_cache_dtype='auto'"),
+             (dict(pipeline_parallel_size=2, quantization="int8"), "pipeline_parallel_size=1"),
              (dict(pipeline_parallel_size=0), "positive integer")]
     for kw, match in cases:
         with pytest.raises(ValueError, match=match):
