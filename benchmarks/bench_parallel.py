@@ -7,6 +7,14 @@ ranks. Communication is the time rank 0 spends inside all-reduces (gloo over loo
 machine, which includes waiting for the slower rank); compute is the rest of the wall time.
 A 2-stage pipeline (minillm.parallel.pipeline, stages as threads) runs m = 1, 2, 4, 8
 micro-batches of 64 tokens and its measured bubble is recorded beside (p - 1) / (m + p - 1).
+The engine's pipeline, LLM(pipeline_parallel_size=2) (stage 0 in the driver, stage 1 a worker
+process, one thread each), runs --pp-batch requests with m = --pp-micro-batches micro-batches
+per step on a model of --pp-layers layers and a small vocabulary (stages of about equal cost),
+beside the one-process engine with 1 and 2 threads; the bubble is read off every stage's
+compute spans and recorded beside (p - 1) / (m + p - 1). Only the pipeline part:
+
+    python benchmarks/bench_parallel.py --tp --micro-batches --out benchmarks/results/y.json
+
 The GPU part is an ESTIMATE from public link bandwidths (minillm.parallel.comm.LINKS), not a
 measurement: the device lent to the course has one GPU, so TP on it is out of reach.
 
@@ -90,6 +98,68 @@ def pipeline_rows(model, micro_batches, tokens: int) -> list:
     return rows
 
 
+def pp_config(args):
+    """The engine pipeline's model: --pp-layers layers of width --hidden and a small vocabulary
+    (--pp-vocab), so the last stage's lm_head does not dwarf its layers (stages of about equal
+    cost, as the formula assumes)."""
+    return bench_config(args).with_(name="pp-bench", num_layers=args.pp_layers,
+                                     vocab_size=args.pp_vocab)
+
+
+def engine_pp_rows(model, batch: int, micro_batches, max_tokens: int) -> list:
+    """LLM(pipeline_parallel_size=2) with m micro-batches per step, one thread per process (2
+    in all), beside the one-process engine with 1 and 2 threads: tokens/s, and the bubble read
+    off every stage's compute spans, summed over the steps: 1 - busy / (p x makespan)."""
+    prompts = [[(7 * i + j) % 1000 + 1 for j in range(16)] for i in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rows = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        llm = LLM((model, None), max_num_seqs=batch, num_kv_blocks=batch * 8 + 8)
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        wall = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append({"pp": 1, "threads_per_process": threads, "processes": 1, "batch": batch,
+                     "tokens": tokens, "wall_s": round(wall, 3),
+                     "tokens_per_s": round(tokens / wall, 1)})
+        print(rows[-1], flush=True)
+    torch.set_num_threads(1)
+    llm = LLM((model, None), pipeline_parallel_size=2, max_num_seqs=batch,
+              num_kv_blocks=batch * 8 + 8)
+    try:
+        ex = llm.engine.executor
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+        for m in micro_batches:
+            ex.num_micro_batches = m
+            llm.reset_prefix_cache()
+            ex.timeline.clear()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - start
+            rows.append(pp_row(list(ex.timeline), m, batch, wall,
+                               sum(len(o.outputs[0].token_ids) for o in outs)))
+            print(rows[-1], flush=True)
+    finally:
+        llm.shutdown()
+    return rows
+
+
+def pp_row(steps: list, m: int, batch: int, wall: float, tokens: int) -> dict:
+    """One pp = 2 row from the steps' spans ([[Span]] per step)."""
+    busy = sum(s.end - s.start for spans in steps for s in spans)
+    makespans = [max(s.end for s in spans) - min(s.start for s in spans) for spans in steps]
+    per_step = [len(spans) // 2 for spans in steps]               # micro-batches each step ran
+    m_used = max(set(per_step), key=per_step.count)
+    return {"pp": 2, "threads_per_process": 1, "processes": 2, "batch": batch,
+            "micro_batches": m, "micro_batches_most_steps": m_used, "steps": len(steps),
+            "tokens": tokens, "wall_s": round(wall, 3), "tokens_per_s": round(tokens / wall, 1),
+            "forward_share_of_wall": round(sum(makespans) / wall, 3),
+            "bubble_measured": round(1 - busy / (2 * sum(makespans)), 3),
+            "bubble_formula": round(1 / (m_used + 1), 3)}
+
+
 def gpu_estimate() -> list:
     """Per decode token of Llama-3-70B (bf16), the all-reduce time for tp = 8 on each link."""
     cfg = configs.get("llama-3-70b")
@@ -106,17 +176,23 @@ def gpu_estimate() -> list:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--tp", type=int, nargs="*", default=[1, 2])
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--threads-per-rank", type=int, default=1)
     p.add_argument("--micro-batches", type=int, nargs="*", default=[1, 2, 4, 8])
+    p.add_argument("--pp-micro-batches", type=int, nargs="*", default=[1, 2, 4])
+    p.add_argument("--pp-batch", type=int, default=8)
+    p.add_argument("--pp-layers", type=int, default=8)
+    p.add_argument("--pp-vocab", type=int, default=4096)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     cfg = bench_config(args)
     model = random_model(cfg, "cpu", torch.float32, seed=0)
+    pp_cfg = pp_config(args)
+    pp_model = random_model(pp_cfg, "cpu", torch.float32, seed=0)
     rows = []
     for tp in args.tp:
         threads = [args.threads_per_rank] + ([2] if tp == 1 and args.threads_per_rank == 1
@@ -135,6 +211,12 @@ def main(argv=None):
                                                      "num_kv_heads", "intermediate_size")},
               "cpu_rows": rows,
               "pipeline_rows": pipeline_rows(model, args.micro_batches, 64),
+              "engine_pp_model": {k: getattr(pp_cfg, k) for k in (
+                  "num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                  "intermediate_size", "vocab_size")},
+              "engine_pp_rows": (engine_pp_rows(pp_model, args.pp_batch, args.pp_micro_batches,
+                                                args.max_tokens)
+                                 if args.pp_micro_batches else []),
               "gpu_estimate": {"label": "ESTIMATE from public link bandwidths, not measured",
                                "links_bytes_per_s_one_way": LINKS, "rows": gpu_estimate()}}
     if args.out:
@@ -144,13 +226,23 @@ def main(argv=None):
 
 
 def plot(result: dict, path: Path) -> None:
-    """Left: tokens/s per (tp, threads) and batch, the communication share hatched. Right: the
-    pipeline's measured bubble against the formula."""
+    """One panel per part present: tokens/s per (tp, threads) and batch with the communication
+    share hatched; the threaded pipeline's bubble against the formula; the engine pipeline's
+    tokens/s and bubble against the formula."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    rows = result["cpu_rows"]
+    parts = [k for k in ("cpu_rows", "pipeline_rows", "engine_pp_rows") if result.get(k)]
+    fig, axes = plt.subplots(1, len(parts), figsize=(5.5 * len(parts), 4), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        {"cpu_rows": _plot_tp, "pipeline_rows": _plot_threads,
+         "engine_pp_rows": _plot_engine_pp}[part](ax, result[part])
+    fig.suptitle(f"{result['device']}, {result['date']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _plot_tp(a, rows) -> None:
     labels = [f"tp{r['tp']} x{r['threads_per_rank']}t\nbatch {r['batch']}" for r in rows]
     tps = [r["tokens_per_s"] for r in rows]
     a.bar(labels, tps, color="C0", label="tokens/s")
@@ -158,16 +250,31 @@ def plot(result: dict, path: Path) -> None:
           edgecolor="C3", hatch="//", label="share of wall time in all-reduce")
     a.set_ylabel("tokens/s (CPU, gloo over loopback)")
     a.legend(fontsize=8)
-    pr = result["pipeline_rows"]
+
+
+def _plot_threads(b, pr) -> None:
     m = [r["micro_batches"] for r in pr]
     b.plot(m, [r["bubble_formula"] for r in pr], "o-", label="(p-1)/(m+p-1)")
     b.plot(m, [r["bubble_measured"] for r in pr], "s--", label="measured (CPU)")
-    b.set_xlabel("micro-batches m (p = 2)")
+    b.set_xlabel("micro-batches m (p = 2, stages as threads)")
     b.set_ylabel("bubble fraction")
     b.legend(fontsize=8)
-    fig.suptitle(f"{result['device']}, {result['date']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+
+def _plot_engine_pp(c, rows) -> None:
+    one = [r for r in rows if r["pp"] == 1]
+    pp = [r for r in rows if r["pp"] == 2]
+    labels = ([f"pp1 x{r['threads_per_process']}t" for r in one]
+              + [f"pp2 m={r['micro_batches']}" for r in pp])
+    c.bar(labels, [r["tokens_per_s"] for r in one + pp], color="C0")
+    c.set_ylabel(f"tokens/s (engine, batch {rows[0]['batch']})")
+    d = c.twinx()
+    x = list(range(len(one), len(one) + len(pp)))
+    d.plot(x, [r["bubble_formula"] for r in pp], "o-", color="C1", label="(p-1)/(m+p-1)")
+    d.plot(x, [r["bubble_measured"] for r in pp], "s--", color="C3", label="measured bubble")
+    d.set_ylim(0, 1)
+    d.set_ylabel("bubble fraction")
+    d.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,8 @@ def test_tp2_equals_one_process_token_for_token(model, reference):
 def test_tp_that_does_not_divide_the_heads_is_a_value_error(model):
     with pytest.raises(ValueError, match=r"sizes that work: \[1, 2, 4\]"):
         LLM((model, None), tensor_parallel_size=3)
-    for kw in (dict(tensor_parallel_size=0), dict(pipeline_parallel_size=2),
+    for kw in (dict(tensor_parallel_size=0),
+               dict(tensor_parallel_size=2, pipeline_parallel_size=2),
                dict(tensor_parallel_size=2, speculative_config={"method": "ngram",
                                                                 "num_speculative_tokens": 2})):
         with pytest.raises(ValueError):

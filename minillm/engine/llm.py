@@ -80,8 +80,15 @@ class LLM:
     (spawned once, gloo on the CPU) and rank 0 in this process, which samples. N must split the
     heads (ValueError names the sizes that work). A script that uses it needs the usual
     `if __name__ == "__main__":` guard, because spawned workers import the main module.
-    `shutdown()` (or `del llm`, or interpreter exit) stops them. pipeline_parallel_size is 1
-    only in the engine (chapter 10's pipeline is `minillm.parallel.pipeline`)."""
+    `shutdown()` (or `del llm`, or interpreter exit) stops them.
+
+    pipeline_parallel_size=P (chapter 10) cuts the layers into P contiguous stages: stage 0
+    (the embedding and the first layers) runs in this process, which also schedules and
+    samples; stages 1 .. P - 1 are worker processes, each with a KV pool for its own layers,
+    and hidden states go stage to stage with gloo send / recv. Each step's requests are cut
+    into m micro-batches (m = P unless `llm.engine.executor.num_micro_batches` is set) so the
+    stages overlap. P must not exceed the number of layers; tp and pp together, speculative
+    decoding, quantization, KV transfer and an fp8 KV cache are refused with P > 1."""
 
     def __init__(self, model="smollm2-135m", tokenizer=None, block_size: int = 16,
                  num_kv_blocks: Optional[int] = None, max_num_seqs: int = 64,
@@ -131,12 +138,13 @@ class LLM:
                                 kv_transfer_config=kv_transfer_config,
                                 kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
                                 scheduling_policy=scheduling_policy,
-                                tensor_parallel_size=tensor_parallel_size)
+                                tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size)
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (nothing to do with one rank). Also run
-        by `del llm` and at interpreter exit."""
+        """Stop the tensor- or pipeline-parallel worker processes (nothing to do with one
+        rank). Also run by `del llm` and at interpreter exit."""
         if self.engine is not None:
             self.engine.shutdown()
 
@@ -224,14 +232,13 @@ def check_parallel(tp, pp, speculative_config, quantization, kv_transfer_config)
     for name, n in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"{name} must be a positive integer, got {n!r}")
-    if pp != 1:
-        raise ValueError(f"pipeline_parallel_size={pp}: the engine runs pipeline_parallel_size=1 "
-                         "only; chapter 10's pipeline (minillm.parallel.pipeline) is a separate "
-                         "demonstration")
-    if tp > 1 and (speculative_config or quantization or kv_transfer_config):
-        raise ValueError("tensor_parallel_size > 1 runs without speculative_config, "
-                         "quantization and kv_transfer_config; drop them or use "
-                         "tensor_parallel_size=1")
+    if tp > 1 and pp > 1:
+        raise ValueError(f"tensor_parallel_size={tp} with pipeline_parallel_size={pp} is not "
+                         "built: use one of them (the other = 1)")
+    for name, n in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+        if n > 1 and (speculative_config or quantization or kv_transfer_config):
+            raise ValueError(f"{name} > 1 runs without speculative_config, quantization and "
+                             f"kv_transfer_config; drop them or use {name}=1")
 
 
 def split_prompt(prompt):

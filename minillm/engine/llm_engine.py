@@ -92,7 +92,7 @@ class LLMEngine:
                  speculative_config: Optional[dict] = None,
                  kv_transfer_config: Optional[dict] = None, kv_cache_dtype: str = "auto",
                  enforce_eager: bool = True, scheduling_policy: str = "fcfs",
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         check_enforce_eager(enforce_eager)       # chapter 12: CUDA graphs for decode steps
         if speculative_config is not None:       # chapter 07; validated before anything else
             parse_speculative_config(speculative_config)
@@ -122,13 +122,14 @@ class LLMEngine:
                                    kv_connector=self.kv_connector,
                                    scheduling_policy=scheduling_policy)
         self.proposer = build_proposer(speculative_config, model)   # proposes nothing when off
-        # who runs the forward: one ModelRunner here, or chapter 10's tensor-parallel workers
+        # who runs the forward: one ModelRunner here, or chapter 10's tensor / pipeline workers
         self.executor = build_executor(tensor_parallel_size, model, self.block_manager,
                                        num_kv_blocks, block_size, num_cpu_blocks,
                                        needs_hidden=self.proposer.needs_hidden,
                                        needs_features=self.proposer.needs_features,
                                        kv_cache_dtype=kv_cache_dtype, enforce_eager=enforce_eager,
-                                       max_num_seqs=max_num_seqs)
+                                       max_num_seqs=max_num_seqs,
+                                       pipeline_parallel_size=pipeline_parallel_size)
         self.runner = self.executor.driver_runner          # rank 0's runner (the only one at 1)
         eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.eos_token_id = eos if eos is not None else self.config.eos_token_id

@@ -78,9 +78,35 @@ class Communicator:
         self.stats.recv_bytes += t.numel() * t.element_size()
         return t
 
+    def isend(self, t: torch.Tensor, dst: int, tag: int = 0) -> "Pending":
+        """Start sending `t` to rank `dst` (a pipeline stage's hidden states); `.wait()` later.
+        The tensor must not change until then."""
+        t = t.contiguous()
+        self.stats.send_bytes += t.numel() * t.element_size()
+        return Pending(self.stats, self.group.send([t], dst, tag), t)
+
+    def irecv(self, t: torch.Tensor, src: int, tag: int = 0) -> "Pending":
+        """Post a receive into `t` from rank `src`; `.wait()` returns the filled `t`."""
+        self.stats.recv_bytes += t.numel() * t.element_size()
+        return Pending(self.stats, self.group.recv([t], src, tag), t)
+
     def reset_stats(self) -> CommStats:
         old, self.stats = self.stats, CommStats()
         return old
+
+
+class Pending:
+    """A posted send / receive: `wait()` blocks until it is done (the seconds spent waiting are
+    counted as p2p time) and returns its tensor."""
+
+    def __init__(self, stats: CommStats, work, tensor: torch.Tensor):
+        self.stats, self.work, self.tensor = stats, work, tensor
+
+    def wait(self) -> torch.Tensor:
+        start = time.perf_counter()
+        self.work.wait()
+        self.stats.p2p_seconds += time.perf_counter() - start
+        return self.tensor
 
 
 def add_all_reduce_hooks(model, comm: Communicator) -> list:

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from ..engine.model_runner import ModelRunner
 from .comm import CommStats, Communicator, add_all_reduce_hooks
 from .sharding import check_tp_size, shard_config, shard_state_dict
-from .worker import build_shard, worker_main
+from .worker import build_shard, shard_runner, worker_main
 
 STARTUP_TIMEOUT_S = 120.0     # spawn + import torch + build the shard, per engine
 REPLY_TIMEOUT_S = 60.0        # one message's answer (gloo's own timeout is the same)
@@ -75,6 +75,7 @@ class TPDriverRunner(ModelRunner):
 
 
 class MultiprocExecutor:
+    kind = "tensor-parallel"          # in every message; chapter 10's PipelineExecutor: "pipeline"
     def __init__(self, tensor_parallel_size: int, model, block_manager, num_blocks: int,
                  block_size: int, num_cpu_blocks: int = 0, needs_hidden: bool = False,
                  num_threads: int = 1, needs_features: bool = False,
@@ -105,26 +106,35 @@ class MultiprocExecutor:
         cfg, tp = model.config, self.world_size
         local = shard_config(cfg, tp)
         full = model.state_dict()
-        store = torch.distributed.TCPStore("127.0.0.1", 0, tp, True, wait_for_workers=False,
-                                           timeout=datetime.timedelta(seconds=REPLY_TIMEOUT_S))
-        ctx = mp.get_context("spawn")
+        store = self._new_store()
         for rank in range(1, tp):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, daemon=True, name=f"minillm-tp{rank}",
-                            args=(rank, tp, store.port, local,
-                                  shard_state_dict(full, cfg, rank, tp), model.dtype,
-                                  num_blocks, block_size, num_cpu_blocks, child, num_threads))
-            p.start()
-            child.close()
-            self.workers.append(p)
-            self.conns.append(parent)
-        _LIVE.add(self)
+            self._spawn(store, rank, shard_runner, (local, shard_state_dict(full, cfg, rank, tp),
+                                                    model.dtype, num_blocks, block_size,
+                                                    num_cpu_blocks), num_threads)
         self.comm = self._join_group(store)
         shard = build_shard(local, shard_state_dict(full, cfg, 0, tp), model.dtype)
         add_all_reduce_hooks(shard, self.comm)
         self.collect(timeout=STARTUP_TIMEOUT_S)                       # every worker is ready
         self.driver_runner = TPDriverRunner(self, shard, block_manager, num_blocks, block_size,
                                             num_cpu_blocks, needs_hidden=needs_hidden)
+
+    def _new_store(self):
+        """The rendezvous the ranks' gloo group forms on (rank 0 hosts it, on a free port)."""
+        return torch.distributed.TCPStore("127.0.0.1", 0, self.world_size, True,
+                                          wait_for_workers=False,
+                                          timeout=datetime.timedelta(seconds=REPLY_TIMEOUT_S))
+
+    def _spawn(self, store, rank: int, make_runner, make_args: tuple, num_threads: int) -> None:
+        """Start rank `rank`'s process (worker_main builds make_runner(comm, *make_args))."""
+        parent, child = mp.get_context("spawn").Pipe()
+        p = mp.get_context("spawn").Process(
+            target=worker_main, daemon=True, name=f"minillm-{self.kind}{rank}",
+            args=(rank, self.world_size, store.port, make_runner, make_args, child, num_threads))
+        p.start()
+        child.close()
+        self.workers.append(p)
+        self.conns.append(parent)
+        _LIVE.add(self)
 
     def _join_group(self, store) -> Communicator:
         """Rank 0 joins the gloo group, which waits for every rank, while watching that the
@@ -144,11 +154,11 @@ class MultiprocExecutor:
             t.join(POLL_S)
             self.check_alive()
             if time.monotonic() > deadline:
-                self._fail(f"the tensor-parallel group did not form within "
+                self._fail(f"the {self.kind} group did not form within "
                            f"{STARTUP_TIMEOUT_S:.0f} s")
         if "error" in box:
             self.check_alive()
-            self._fail(f"the tensor-parallel group failed to form: {box['error']}")
+            self._fail(f"the {self.kind} group failed to form: {box['error']}")
         return box["comm"]
 
     # --- talking to the workers ----------------------------------------------------------------
@@ -169,14 +179,14 @@ class MultiprocExecutor:
             while not conn.poll(POLL_S):
                 self.check_alive()
                 if time.monotonic() > deadline:
-                    self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) did not "
+                    self._fail(f"{self.kind} worker rank {rank} (pid {p.pid}) did not "
                                f"answer within {timeout:.0f} s")
             try:
                 status, value = conn.recv()
             except (EOFError, OSError):
                 self._worker_gone(rank, "closed its pipe")
             if status != "ok" and strict:
-                self._fail(f"tensor-parallel worker rank {rank} failed: {value}")
+                self._fail(f"{self.kind} worker rank {rank} failed: {value}")
             replies.append(value)
         return replies
 
@@ -190,7 +200,7 @@ class MultiprocExecutor:
             raise RuntimeError(self._error)
         for rank, p in enumerate(self.workers, start=1):
             if not p.is_alive():
-                self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit "
+                self._fail(f"{self.kind} worker rank {rank} (pid {p.pid}) died with exit "
                            f"code {p.exitcode}")
 
     def _worker_gone(self, rank: int, what: str):
@@ -199,9 +209,9 @@ class MultiprocExecutor:
         p = self.workers[rank - 1]
         p.join(5)
         if p.exitcode is not None:
-            self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
+            self._fail(f"{self.kind} worker rank {rank} (pid {p.pid}) died with exit code "
                        f"{p.exitcode}")
-        self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) {what}")
+        self._fail(f"{self.kind} worker rank {rank} (pid {p.pid}) {what}")
 
     def _fail(self, message: str):
         self._error = message + "; the other workers were stopped, build a new LLM"
@@ -239,7 +249,7 @@ class MultiprocExecutor:
             conn.close()
         self.workers, self.conns = [], []
         if self._error is None:
-            self._error = "this tensor-parallel executor was shut down; build a new LLM"
+            self._error = f"this {self.kind} executor was shut down; build a new LLM"
 
 
 _LIVE: "weakref.WeakSet[MultiprocExecutor]" = weakref.WeakSet()

@@ -1,4 +1,4 @@
-"""Pipeline parallelism, as a demonstration beside the engine (chapter 10).
+"""Pipeline parallelism: the layer split, the bubble, and a demonstration on threads (chapter 10).
 
 Each of p stages holds a contiguous range of layers (stage 0 also the embedding, the last
 stage the final norm and lm_head). A batch is cut into m micro-batches; stage s runs
@@ -15,9 +15,11 @@ can sit on different nodes. The price is the bubble (idle slots while the pipe f
 drains) and a latency no shorter than the whole model run one stage after another.
 
 `pipeline_forward` runs the stages as threads of this process, each with its own rank in one
-gloo group (the same calls work across processes), on prompts without a KV cache, and
-records when each stage computed each micro-batch; `bubble_fraction` reads the idle share off
-that timeline. Not wired into LLM: `LLM(pipeline_parallel_size > 1)` is refused.
+gloo group, on prompts without a KV cache, and records when each stage computed each
+micro-batch; `bubble_fraction` reads the idle share off that timeline. The engine runs the
+same design across processes with a paged KV cache per stage: `LLM(pipeline_parallel_size=p)`
+(`pipeline_executor.py`, `pipeline_worker.py`, `stage.py`), whose stages record the same
+`Span`s for every step (`executor.timeline`).
 """
 from __future__ import annotations
 

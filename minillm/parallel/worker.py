@@ -1,5 +1,5 @@
-"""A tensor-parallel worker process: one rank's shard, its KV pool, and a loop that runs what
-the driver sends (chapter 10).
+"""A worker process: one rank's shard (or pipeline stage), its KV pool, and a loop that runs
+what the driver sends (chapter 10).
 
 The driver (rank 0, in the engine's process) keeps the scheduler and samples. For every step it
 sends each worker the same block copies and the same flattened batch (`input_ids` and the
@@ -58,18 +58,26 @@ def build_shard(cfg, state: dict, dtype):
     return model.eval()
 
 
-def worker_main(rank: int, world_size: int, port: int, cfg, state: dict, dtype,
-                num_blocks: int, block_size: int, num_cpu_blocks: int, conn,
+def shard_runner(comm, cfg, state: dict, dtype, num_blocks: int, block_size: int,
+                 num_cpu_blocks: int) -> ShardRunner:
+    """A tensor-parallel rank's runner: its shard, made parallel by the all-reduce hooks."""
+    from .comm import add_all_reduce_hooks
+    model = build_shard(cfg, state, dtype)
+    add_all_reduce_hooks(model, comm)
+    return ShardRunner(model, comm, num_blocks, block_size, num_cpu_blocks)
+
+
+def worker_main(rank: int, world_size: int, port: int, make_runner, make_args: tuple, conn,
                 num_threads: int) -> None:
-    """The process body: join the group, build the shard, then serve messages until stopped."""
+    """The process body: join the group, build the runner (`make_runner(comm, *make_args)`:
+    `shard_runner` for tensor parallelism, chapter 10's `pipeline_worker.stage_runner` for a
+    pipeline stage), then serve messages until stopped."""
     torch.set_num_threads(num_threads)
     try:
-        from .comm import Communicator, add_all_reduce_hooks
+        from .comm import Communicator
         comm = Communicator(rank, world_size, port)
-        model = build_shard(cfg, state, dtype)
-        add_all_reduce_hooks(model, comm)
-        runner = ShardRunner(model, comm, num_blocks, block_size, num_cpu_blocks)
-        del state
+        runner = make_runner(comm, *make_args)
+        del make_args
         conn.send(("ok", os.getpid()))
     except Exception:                          # noqa: BLE001 - reported to the driver
         conn.send(("error", traceback.format_exc()))
