@@ -62,7 +62,8 @@ def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (8,), (9,), (1, 4), (2, 2), (4, 1), (0,)])
+@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (8,), (9,), (1, 4), (2, 2), (4, 1),
+                                  (0,)])
 def test_linear_orientation_matches_f_linear(bias, lead):
     torch.manual_seed(0)
     layer = minillm.model.Linear(24, 40, bias=bias)
