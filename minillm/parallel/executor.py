@@ -139,27 +139,39 @@ class MultiprocExecutor:
     def _join_group(self, store) -> Communicator:
         """Rank 0 joins the gloo group, which waits for every rank, while watching that the
         workers are alive (a worker that crashes while starting must not leave us waiting)."""
+        try:
+            return self._watched(
+                lambda: Communicator(0, self.world_size, store.port, REPLY_TIMEOUT_S, store=store),
+                STARTUP_TIMEOUT_S, f"the {self.kind} group did not form within "
+                                   f"{STARTUP_TIMEOUT_S:.0f} s")
+        except Exception as e:                  # noqa: BLE001 - gloo's own error, reworded
+            if self._error is not None:         # a dead worker or the deadline: already failed
+                raise
+            self._fail(f"the {self.kind} group failed to form: {e}")
+
+    def _watched(self, fn, timeout_s: float, timeout_message: str):
+        """fn() on a helper thread while this one checks every POLL_S that every worker is
+        alive (a blocking gloo call whose peer died would otherwise wait for gloo's own
+        timeout). Returns fn's result; raises what fn raised, after the liveness check."""
         box = {}
 
-        def join():
+        def call():
             try:
-                box["comm"] = Communicator(0, self.world_size, store.port, REPLY_TIMEOUT_S,
-                                           store=store)
-            except Exception as e:              # noqa: BLE001 - reported below
+                box["result"] = fn()
+            except Exception as e:              # noqa: BLE001 - re-raised below
                 box["error"] = e
-        t = threading.Thread(target=join, daemon=True)
+        t = threading.Thread(target=call, daemon=True)
         t.start()
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         while t.is_alive():
             t.join(POLL_S)
             self.check_alive()
             if time.monotonic() > deadline:
-                self._fail(f"the {self.kind} group did not form within "
-                           f"{STARTUP_TIMEOUT_S:.0f} s")
+                self._fail(timeout_message)
         if "error" in box:
             self.check_alive()
-            self._fail(f"the {self.kind} group failed to form: {box['error']}")
-        return box["comm"]
+            raise box["error"]
+        return box["result"]
 
     # --- talking to the workers ----------------------------------------------------------------
     def send_workers(self, method: str, args=()) -> None:

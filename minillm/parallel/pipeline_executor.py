@@ -26,12 +26,11 @@ Swap preemption works: every stage applies the same block copies to its own laye
 from __future__ import annotations
 
 import collections
-import threading
 import time
 
 import torch
 
-from .executor import (POLL_S, REPLY_TIMEOUT_S, STARTUP_TIMEOUT_S, MultiprocExecutor,
+from .executor import (REPLY_TIMEOUT_S, STARTUP_TIMEOUT_S, MultiprocExecutor,
                        TPDriverRunner)
 from .pipeline import Span, stage_layers
 from .pipeline_worker import stage_runner
@@ -127,28 +126,13 @@ class PipelineExecutor(MultiprocExecutor):
             raise
 
     def wait_all(self, pending: list) -> None:
-        """Wait for the driver's sends and receives, watching the stages: the gloo waits run
-        on a helper thread while this one checks every POLL_S that no stage has died (a stage
+        """Wait for the driver's sends and receives, watching the stages (`_watched`: a stage
         that dies mid-step can leave the others waiting for it until gloo's own timeout)."""
-        box = {}
-
         def wait():
-            try:
-                for p in pending:
-                    p.wait()
-            except Exception as e:              # noqa: BLE001 - reported below
-                box["error"] = e
-        t = threading.Thread(target=wait, daemon=True)
-        t.start()
-        deadline = time.monotonic() + REPLY_TIMEOUT_S
-        while t.is_alive():
-            t.join(POLL_S)
-            self.check_alive()
-            if time.monotonic() > deadline:
-                self._fail(f"the pipeline did not deliver a step within {REPLY_TIMEOUT_S:.0f} s")
-        if "error" in box:
-            self.check_alive()
-            raise box["error"]
+            for p in pending:
+                p.wait()
+        self._watched(wait, REPLY_TIMEOUT_S,
+                      f"the pipeline did not deliver a step within {REPLY_TIMEOUT_S:.0f} s")
 
     @property
     def num_micro_batches(self) -> int:
