@@ -154,17 +154,20 @@ def _exists(pid: int) -> bool:
         return False
 
 
-def test_bundled_model_tp3_equals_one_process():
-    """The bundled model (9 query / 3 KV heads): tp = 3 holds 3 query heads and 1 KV head per
-    rank. 16 short prompts, chunked prefill, preemption from a small pool (EOS ignored, so
-    every sequence grows and the pool runs short)."""
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=3),
+                                      dict(pipeline_parallel_size=2)], ids=["tp3", "pp2"])
+def test_bundled_model_in_parallel_equals_one_process(parallel):
+    """The bundled model (9 query / 3 KV heads, 30 layers): tp = 3 holds 3 query heads and 1 KV
+    head per rank; pp = 2 holds 15 layers per stage. 16 short prompts, chunked prefill,
+    preemption from a small pool (EOS ignored, so every sequence grows and the pool runs
+    short)."""
     model, tok = load_model()
     prompts = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(16)]
     kw = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=16)
     one = LLM((model, tok), **kw)
     want = greedy(one, prompts, 8, ignore_eos=True)
     assert one.engine.num_preemptions > 0
-    llm = LLM((model, tok), tensor_parallel_size=3, **kw)
+    llm = LLM((model, tok), **parallel, **kw)
     try:
         got = greedy(llm, prompts, 8, ignore_eos=True)
         assert llm.engine.num_preemptions > 0

@@ -17,7 +17,7 @@ from test_engine_modes import tiny_model
 from test_parallel import MAX_TOKENS, PROMPTS, SMALL, greedy, no_children
 
 from minillm import LLM
-from minillm.loader import load_model, random_model
+from minillm.loader import random_model
 from minillm.parallel.pipeline import bubble_fraction
 from minillm.parallel.stage import split_micro_batches
 
@@ -169,25 +169,7 @@ def test_del_leaves_no_worker(model):
     assert no_children()
 
 
-def test_bundled_model_pp2_equals_one_process():
-    """The bundled model (30 layers: 15 per stage), 16 short prompts, chunked prefill and
-    preemption from a small pool (EOS ignored, so every sequence grows)."""
-    model, tok = load_model()
-    prompts = [f"Question {i}: what is {i} plus {i + 1}?" for i in range(16)]
-    kw = dict(block_size=4, num_kv_blocks=16, max_num_batched_tokens=32, max_num_seqs=16)
-    one = LLM((model, tok), **kw)
-    want = greedy(one, prompts, 8, ignore_eos=True)
-    assert one.engine.num_preemptions > 0
-    llm = LLM((model, tok), pipeline_parallel_size=2, **kw)
-    try:
-        got = greedy(llm, prompts, 8, ignore_eos=True)
-        assert llm.engine.num_preemptions > 0
-    finally:
-        llm.shutdown()
-    assert no_children()
-    assert got[0] == want[0]
-    for g, w in zip(got[1], want[1]):
-        assert g == pytest.approx(w, abs=1e-3)
-
+# the bundled model at pp = 2: tests/test_parallel.py::
+# test_bundled_model_in_parallel_equals_one_process
 
 assert MAX_TOKENS >= 4      # the comparisons above need a few decode steps per prompt
