@@ -18,10 +18,15 @@ numbers describe this machine's BLAS and nothing else.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minillm.model import skinny_rows  # noqa: E402
 
 SHAPES = {"qkv_proj 576->960": (960, 576), "o_proj 576->576": (576, 576),
           "gate_up 576->3072": (3072, 576), "down 1536->576": (576, 1536),
@@ -39,7 +44,8 @@ def seconds(fn, repeats):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 16, 64])
+    p.add_argument("--rows", type=int, nargs="+",
+                   default=[1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 64, 128, 256])
     p.add_argument("--layers", type=int, default=30, help="copies of each weight (not the head)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -48,7 +54,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(f"{torch.get_num_threads()} torch threads, {args.dtype}; "
-          "F.linear time / (W @ x.T).T time (one row sent as two)")
+          "F.linear time / (W @ x.T).T time (one row sent as two, 9+ padded to a multiple of 8)")
     print(f"{'':22}" + "".join(f"{m:>7}" for m in args.rows))
     for name, (n, k) in SHAPES.items():
         weights = [torch.randn(n, k, dtype=dtype) for _ in range(1 if n > 10_000 else args.layers)]
@@ -62,9 +68,13 @@ def main(argv=None):
 
 
 def flip(w, x):
-    """minillm.model.Linear's CPU path at any row count and dtype: (W @ x^T)^T, one row as two."""
-    flat = x if x.shape[0] > 1 else x.repeat(2, 1)
-    return torch.mm(w, flat.t())[:, :x.shape[0]].t().contiguous()
+    """minillm.model.Linear's CPU path at any row count and dtype: (W @ x^T)^T, one row as two,
+    9 or more rows padded with zero rows to a multiple of 8 (minillm.model.skinny_rows)."""
+    m = x.shape[0]
+    flat = x.repeat(2, 1) if m == 1 else x
+    if skinny_rows(m) > flat.shape[0]:
+        flat = torch.cat((flat, flat.new_zeros(skinny_rows(m) - m, flat.shape[1])))
+    return torch.mm(w, flat.t())[:, :m].t().contiguous()
 
 
 if __name__ == "__main__":

@@ -117,23 +117,25 @@ def causal_attention(q, k, v, q_start: int = 0):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, on a CPU with fp32 weights, computes a 1-8 row product as (W @ x^T)^T.
+    """nn.Linear that, on a CPU with fp32 weights, computes a 1-128 row product as (W @ x^T)^T.
 
     A decode step multiplies a handful of rows (one per running sequence, or k + 1 per sequence
     when speculation verifies k guesses) by each weight. On the course's 2-core CPU PyTorch's
     fp32 GEMM took a path 1.2-8x slower for 2-8 rows than the same product written the other way
-    round, W [N, K] @ x^T [K, M]; and 1 row (a matrix-vector product, either way round) read the
-    weights from memory at about a third of the bandwidth that a two-row product reaches, so a
-    single row is duplicated into two and one result kept: the step is bound by reading W, and
-    the second row rides along for free. benchmarks/bench_skinny_gemm.py measures a machine,
-    with the weights coming from memory as in a real step (timed alone, a weight sits in the
-    cache and every path looks fast); from 6 rows the down projection alone prefers F.linear,
-    and the whole forward still gains. bf16 weights take F.linear, which is faster for them at
-    every row count. Same numbers up to float rounding (tests/test_model.py checks); parameters
-    and state-dict names are nn.Linear's. A GPU always takes F.linear.
+    round, W [N, K] @ x^T [K, M], and 10-20% slower from 9 to 128 rows when M is a multiple of 8
+    (other M fall off that path, so 9-128 rows are padded with zero rows up to one); a single
+    row (a matrix-vector product, either way round) read the weights from memory at about a
+    third of the bandwidth that a two-row product reaches, so one row goes in as two and one
+    result is kept: the step is bound by reading W, and the extra row rides along for free.
+    From about 192 rows (a prefill chunk) F.linear is as fast or faster. benchmarks/
+    bench_skinny_gemm.py measures a machine, with the weights coming from memory as in a real
+    step (timed alone, a weight sits in the cache and every path looks fast). bf16 weights take
+    F.linear, which is faster for them at every row count. Same numbers up to float rounding
+    (tests/test_model.py checks); parameters and state-dict names are nn.Linear's. A GPU always
+    takes F.linear.
     """
 
-    SKINNY_ROWS = range(1, 9)                                # set to range(0) to turn it off
+    SKINNY_ROWS = range(1, 129)                              # set to range(0) to turn it off
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -143,11 +145,19 @@ class Linear(nn.Linear):
         flat = x.reshape(rows, x.shape[-1])                  # [M, K]
         if rows == 1:
             flat = torch.cat((flat, flat))                   # [2, K]: a GEMM, not a GEMV
+        elif rows > 8 and rows % 8:                          # [padded, K]: zero rows added
+            flat = torch.cat((flat, flat.new_zeros(skinny_rows(rows) - rows, flat.shape[1])))
         if self.bias is None:
-            out = torch.mm(self.weight, flat.t())            # [N, M]
+            out = torch.mm(self.weight, flat.t())            # [N, padded]
         else:
             out = torch.addmm(self.bias[:, None], self.weight, flat.t())
         return out[:, :rows].t().contiguous().view(*x.shape[:-1], self.out_features)
+
+
+def skinny_rows(rows: int) -> int:
+    """How many rows Linear's transposed product multiplies for `rows` real ones: one row as
+    two, 2-8 as they are, more rounded up to a multiple of 8."""
+    return 2 if rows == 1 else rows if rows <= 8 else -(-rows // 8) * 8
 
 
 class MergedColumnParallelLinear(Linear):

@@ -50,9 +50,9 @@ def test_bundled_batched_logits_match_transformers(bundled, hf_bundled):
     assert diff <= TOL
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (4, 1), (2, 1), (1, 3), (1, 5), (2, 4)])
+@pytest.mark.parametrize("shape", [(1, 1), (4, 1), (2, 1), (1, 3), (1, 5), (2, 4), (12, 1), (3, 7)])
 def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
-    # 1-8 rows take minillm.model.Linear's transposed product (a decode step's shape).
+    # 1-128 rows take minillm.model.Linear's transposed product (a decode step's shape).
     model, _ = bundled
     ids = torch.randint(0, model.config.vocab_size, shape,
                         generator=torch.Generator().manual_seed(3))
@@ -62,8 +62,8 @@ def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (8,), (9,), (1, 4), (2, 2), (4, 1),
-                                  (0,)])
+@pytest.mark.parametrize("lead", [(1,), (2,), (3,), (4,), (5,), (8,), (9,), (13,), (16,), (128,),
+                                  (129,), (1, 4), (2, 2), (4, 1), (3, 5), (0,)])
 def test_linear_orientation_matches_f_linear(bias, lead):
     torch.manual_seed(0)
     layer = minillm.model.Linear(24, 40, bias=bias)
@@ -80,14 +80,18 @@ def test_linear_takes_the_transposed_product_only_for_skinny_inputs(monkeypatch)
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(tuple(b.shape)) or real_mm(a, b))
     layer = minillm.model.Linear(8, 16, bias=False)
-    for rows in (1, 2, 4, 8, 9, 64):
+    for rows in (1, 2, 4, 8, 9, 16, 17, 128, 129, 512):
         layer(torch.randn(rows, 8))
-    assert calls == [(8, 2), (8, 2), (8, 4), (8, 8)]         # one row goes in as two
+    # one row goes in as two, 9-128 are padded to a multiple of 8, more take F.linear
+    taken = [(8, 2), (8, 2), (8, 4), (8, 8), (8, 16), (8, 16), (8, 24), (8, 128)]
+    assert calls == taken
+    assert [minillm.model.skinny_rows(r) for r in (1, 3, 8, 9, 16, 17, 121)] == \
+        [2, 3, 8, 16, 16, 24, 128]
     layer.to(torch.bfloat16)(torch.randn(2, 8, dtype=torch.bfloat16))
-    assert len(calls) == 4                                   # bf16 weights: F.linear
+    assert calls == taken                                    # bf16 weights: F.linear
     monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
     layer.float()(torch.randn(4, 8))
-    assert calls == [(8, 2), (8, 2), (8, 4), (8, 8)]
+    assert calls == taken
 
 
 def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundled):

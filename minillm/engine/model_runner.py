@@ -286,8 +286,11 @@ class ModelRunner:
                   if k == 0 and req.params.greedy and req.seq_id not in out.errors]
         if greedy:
             try:
-                idx = torch.tensor([row for _, row in greedy], device=logits.device)
-                for (req, _), t in zip(greedy, logits[idx].argmax(dim=-1).tolist()):
+                rows = [row for _, row in greedy]
+                # index_select copies whole rows; logits[idx] took 3 ms for 16 x 49152 on a CPU
+                picked = logits if rows == list(range(len(logits))) else logits.index_select(
+                    0, torch.tensor(rows, device=logits.device))
+                for (req, _), t in zip(greedy, picked.argmax(dim=-1).tolist()):
                     out.sampled[req.seq_id] = [t]
             except Exception:                   # noqa: BLE001 - found row by row below
                 pass
