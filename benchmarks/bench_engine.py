@@ -13,8 +13,8 @@ its output length. The same requests, the same weights, greedy decoding, through
     minillm        minillm.LLM, continuous scheduling, chunked prefill, paged KV cache
     minillm_static minillm.LLM with scheduling="static" (same engine, batch-at-a-time)
     minillm_nn_linear  minillm continuous with every product through nn.Linear's own GEMM
-                   (`minillm.model.Linear.SKINNY_ROWS` off): how much of minillm's lead is
-                   the scheduler and how much the CPU's skinny-GEMM orientation
+                   (`minillm.model.Linear.SKINNY_ROWS` and `PREPACK` off): how much of
+                   minillm's lead is the scheduler and how much its CPU products
 
 Output tokens/s = requested output tokens / wall time of the whole run (after one warm-up).
 
@@ -193,11 +193,12 @@ def run_minillm(mini, prompts, outputs, args, scheduling="continuous"):
 
 def run_minillm_nn_linear(mini, prompts, outputs, args):
     from minillm.model import Linear
-    saved, Linear.SKINNY_ROWS = Linear.SKINNY_ROWS, range(0)
+    saved = Linear.SKINNY_ROWS, Linear.PREPACK
+    Linear.SKINNY_ROWS, Linear.PREPACK = range(0), False
     try:
         return run_minillm(mini, prompts, outputs, args)
     finally:
-        Linear.SKINNY_ROWS = saved
+        Linear.SKINNY_ROWS, Linear.PREPACK = saved
 
 
 _BF16 = {}                       # id(fp32 model) -> its bf16 copy, made once per run

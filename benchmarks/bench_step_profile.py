@@ -2,7 +2,7 @@
 
 For each batch size, `batch` requests with `--context`-token prompts are prefilled, then decode
 steps are timed (no profiler) and profiled: GEMM self time (`minillm.lab.profiling.GEMM_OPS`)
-against everything else, aten ops per step, and the heaviest ops.
+against everything else, torch ops per step, and the heaviest ops.
 
     python benchmarks/bench_step_profile.py --batch 1 16 64 --out benchmarks/results/x.json
 

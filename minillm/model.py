@@ -120,47 +120,75 @@ def causal_attention(q, k, v, q_start: int = 0):
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, on a CPU with fp32 weights, computes a 1-128 row product as (W @ x^T)^T.
+    """nn.Linear that, for inference on a CPU, takes the fastest product measured there.
 
-    A decode step multiplies a handful of rows (one per running sequence, or k + 1 per sequence
-    when speculation verifies k guesses) by each weight. On the course's 2-core CPU PyTorch's
-    fp32 GEMM took a path 1.2-8x slower for 2-8 rows than the same product written the other way
-    round, W [N, K] @ x^T [K, M], and 10-20% slower from 9 to 128 rows when M is a multiple of 8
-    (other M fall off that path, so 9-128 rows are padded with zero rows up to one); a single
-    row (a matrix-vector product, either way round) read the weights from memory at about a
-    third of the bandwidth that a two-row product reaches, so one row goes in as two and one
-    result is kept: the step is bound by reading W, and the extra row rides along for free.
-    From about 192 rows (a prefill chunk) F.linear is as fast or faster. benchmarks/
-    bench_skinny_gemm.py measures a machine, with the weights coming from memory as in a real
-    step (timed alone, a weight sits in the cache and every path looks fast). bf16 weights take
-    F.linear, which is faster for them at every row count. Same numbers up to float rounding
-    (tests/test_model.py checks); parameters and state-dict names are nn.Linear's. A GPU always
-    takes F.linear.
+    A decode step multiplies a handful of rows (one per running sequence, k + 1 when speculation
+    verifies k guesses) by every weight, and PyTorch's default CPU product (F.linear) runs far
+    below the machine's limits at those shapes. On a CPU, with no gradient wanted, Linear:
+
+    - multiplies through oneDNN with its weight **prepacked** once into the blocked layout the
+      kernels read (`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per
+      call; what torch.compile's CPU backend does for frozen weights): on the course's 2-core
+      CPU 1.3-2.6x faster than F.linear from 3 fp32 rows up, and 1.1-2x at every bf16 row count;
+    - for 1-2 fp32 rows computes (W @ x^T)^T instead, a single row sent in as two: a one-row
+      product (a matrix-vector product, either way round) read the weights at about a third of
+      the bandwidth a two-row product reaches, and this path beat the packed one there.
+
+    benchmarks/bench_skinny_gemm.py measures the choice on a machine, with the weights coming
+    from memory as in a real step. The packed copy is made at the first call that needs it and
+    made again when the weight changes (another tensor, an in-place copy, another dtype); it
+    doubles the memory of the weights it packs. Same numbers up to float rounding
+    (tests/test_model.py); parameters and state-dict names are nn.Linear's. A GPU, a product
+    that autograd records, or a torch without oneDNN takes F.linear. `SKINNY_ROWS = range(0)`
+    and `PREPACK = False` switch the two paths off.
     """
 
-    SKINNY_ROWS = range(1, 129)                              # set to range(0) to turn it off
+    SKINNY_ROWS = range(1, 3)                                # fp32 rows taking (W @ x^T)^T
+    PREPACK = True                                           # CPU products on packed weights
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
+        w = self.weight
+        if (x.device.type != "cpu" or x.dtype != w.dtype
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+            return F.linear(x, w, self.bias)                 # a GPU, or autograd records it
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (x.device.type != "cpu" or rows not in self.SKINNY_ROWS
-                or self.weight.dtype != torch.float32):
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, x.shape[-1])                  # [M, K]
-        if rows == 1:
-            flat = torch.cat((flat, flat))                   # [2, K]: a GEMM, not a GEMV
-        elif rows > 8 and rows % 8:                          # [padded, K]: zero rows added
-            flat = torch.cat((flat, flat.new_zeros(skinny_rows(rows) - rows, flat.shape[1])))
-        if self.bias is None:
-            out = torch.mm(self.weight, flat.t())            # [N, padded]
-        else:
-            out = torch.addmm(self.bias[:, None], self.weight, flat.t())
-        return out[:, :rows].t().contiguous().view(*x.shape[:-1], self.out_features)
+        if w.dtype == torch.float32 and rows in self.SKINNY_ROWS:
+            flat = x.reshape(rows, x.shape[-1])              # [M, K]
+            if rows == 1:
+                flat = torch.cat((flat, flat))               # [2, K]: a GEMM, not a GEMV
+            if self.bias is None:
+                out = torch.mm(w, flat.t())                  # [N, 2]
+            else:
+                out = torch.addmm(self.bias[:, None], w, flat.t())
+            return out[:, :rows].t().contiguous().view(*x.shape[:-1], self.out_features)
+        packed = self.prepacked() if self.PREPACK else None
+        if packed is None:
+            return F.linear(x, w, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+
+    def prepacked(self):
+        """The weight in oneDNN's blocked layout (made once per weight version), or None where
+        this torch cannot pack it."""
+        w = self.weight
+        try:
+            version = w._version
+        except RuntimeError:                                 # an inference tensor: no counter
+            version = None
+        key = (w.data_ptr(), version, w.dtype, tuple(w.shape))
+        if self.__dict__.get("_packed_key") != key:
+            self.__dict__["_packed_key"] = key
+            self.__dict__["_packed"] = _prepack(w.detach())
+        return self.__dict__["_packed"]
 
 
-def skinny_rows(rows: int) -> int:
-    """How many rows Linear's transposed product multiplies for `rows` real ones: one row as
-    two, 2-8 as they are, more rounded up to a multiple of 8."""
-    return 2 if rows == 1 else rows if rows <= 8 else -(-rows // 8) * 8
+def _prepack(w):
+    """oneDNN's packed copy of a 2-D CPU weight, or None (no oneDNN, or no bf16 support)."""
+    if not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
 class MergedColumnParallelLinear(Linear):

@@ -21,14 +21,15 @@ def test_nn_linear_system_turns_the_gemm_choice_off_and_back_on(monkeypatch):
     seen = []
 
     def fake(mini, prompts, outputs, args, scheduling="continuous"):
-        seen.append(Linear.SKINNY_ROWS)
+        seen.append((Linear.SKINNY_ROWS, Linear.PREPACK))
         raise RuntimeError("boom")
 
     monkeypatch.setattr(bench, "run_minillm", fake)
-    before = Linear.SKINNY_ROWS
+    before = Linear.SKINNY_ROWS, Linear.PREPACK
     with pytest.raises(RuntimeError):
         bench.run_minillm_nn_linear(None, [], [], None)
-    assert seen == [range(0)] and Linear.SKINNY_ROWS == before != range(0)
+    assert seen == [(range(0), False)]
+    assert (Linear.SKINNY_ROWS, Linear.PREPACK) == before and before[0] != range(0) and before[1]
 
 
 def test_plot_draws_the_spread_of_repeats(tmp_path):
@@ -46,8 +47,9 @@ def test_skinny_gemm_benchmark_runs(capsys):
     load("bench_skinny_gemm").main(["--rows", "1", "4", "--layers", "1", "--repeats", "1"])
     out = capsys.readouterr().out
     for name in ("qkv_proj", "o_proj", "gate_up", "down", "lm_head"):
-        line = next(l for l in out.splitlines() if l.startswith(name))
-        assert len([float(v) for v in line[22:].split()]) == 2
+        lines = [line for line in out.splitlines() if line.strip().startswith(name)]
+        assert len(lines) == 2                                 # one per path
+        assert all(len([float(v) for v in line[28:].split()]) == 2 for line in lines)
 
 
 def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):

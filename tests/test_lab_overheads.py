@@ -24,7 +24,7 @@ def test_profile_counts_four_products_per_layer_and_the_lm_head():
     calls = {name: c for name, c, _ in prof.rows}
     assert sum(calls.get(op, 0) for op in GEMM_OPS) == 4 * CFG.num_layers + 1
     assert prof.ops_per_step > 4 * CFG.num_layers and prof.gemm_ms > 0
-    assert "aten ops per step" in op_table(prof)
+    assert "torch ops per step" in op_table(prof)
 
 
 def test_overlap_runs_the_same_work_in_both_schedules():

@@ -52,7 +52,7 @@ def test_bundled_batched_logits_match_transformers(bundled, hf_bundled):
 
 @pytest.mark.parametrize("shape", [(1, 1), (4, 1), (2, 1), (1, 3), (1, 5), (2, 4), (12, 1), (3, 7)])
 def test_bundled_skinny_batches_match_transformers(bundled, hf_bundled, shape):
-    # 1-128 rows take minillm.model.Linear's transposed product (a decode step's shape).
+    # decode-step shapes: minillm.model.Linear's transposed product (1-2 rows) and packed one.
     model, _ = bundled
     ids = torch.randint(0, model.config.vocab_size, shape,
                         generator=torch.Generator().manual_seed(3))
@@ -75,23 +75,45 @@ def test_linear_orientation_matches_f_linear(bias, lead):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_linear_takes_the_transposed_product_only_for_skinny_inputs(monkeypatch):
+def test_linear_picks_its_cpu_product_by_rows_dtype_and_grad(monkeypatch):
     calls = []
-    real_mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(tuple(b.shape)) or real_mm(a, b))
+    real_mm, real_packed = torch.mm, torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(("mm", b.shape[1])) or real_mm(a, b))
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda x, *a: calls.append(("packed", x.shape[0])) or real_packed(x, *a))
     layer = minillm.model.Linear(8, 16, bias=False)
-    for rows in (1, 2, 4, 8, 9, 16, 17, 128, 129, 512):
-        layer(torch.randn(rows, 8))
-    # one row goes in as two, 9-128 are padded to a multiple of 8, more take F.linear
-    taken = [(8, 2), (8, 2), (8, 4), (8, 8), (8, 16), (8, 16), (8, 24), (8, 128)]
-    assert calls == taken
-    assert [minillm.model.skinny_rows(r) for r in (1, 3, 8, 9, 16, 17, 121)] == \
-        [2, 3, 8, 16, 16, 24, 128]
-    layer.to(torch.bfloat16)(torch.randn(2, 8, dtype=torch.bfloat16))
-    assert calls == taken                                    # bf16 weights: F.linear
-    monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
-    layer.float()(torch.randn(4, 8))
-    assert calls == taken
+    with torch.no_grad():
+        for rows in (1, 2, 3, 64):
+            layer(torch.randn(rows, 8))
+    assert calls == [("mm", 2), ("mm", 2), ("packed", 3), ("packed", 64)]   # one row as two
+    layer(torch.randn(4, 8))                                 # autograd records it: F.linear
+    layer.weight.requires_grad_(False)
+    layer(torch.randn(4, 8, requires_grad=True))             # a frozen layer, but x wants grad
+    assert len(calls) == 4
+    layer.weight.requires_grad_(True)
+    with torch.no_grad():
+        layer.to(torch.bfloat16)(torch.randn(2, 8, dtype=torch.bfloat16))
+        assert calls[4:] == [("packed", 2)]                  # bf16: packed at every row count
+        monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
+        monkeypatch.setattr(minillm.model.Linear, "PREPACK", False)
+        layer.float()(torch.randn(1, 8))
+    assert len(calls) == 5                                   # both off: F.linear
+
+
+def test_linear_packs_again_when_its_weight_changes():
+    torch.manual_seed(0)
+    layer = minillm.model.Linear(8, 16, bias=True)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        first = layer.prepacked()
+        assert layer.prepacked() is first                    # made once per weight version
+        layer.weight.copy_(torch.randn(16, 8))               # in place: a new version
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight,
+                                                                        layer.bias))
+        layer.weight = torch.nn.Parameter(torch.randn(16, 8))  # another tensor
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight,
+                                                                        layer.bias))
+    assert "_packed" not in layer.state_dict()
 
 
 def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundled):

@@ -44,9 +44,11 @@ def test_hand_count_of_the_tiny_config():
 
 @pytest.fixture
 def useful_flops_only(monkeypatch):
-    # the model's useful FLOPs: on a CPU minillm.model.Linear sends one row in as two and pads
-    # 9-128 rows to a multiple of 8 (more arithmetic, same weight reads), so count with F.linear
+    # the model's useful FLOPs, counted on F.linear: on a CPU minillm.model.Linear sends one row
+    # in as two (twice the arithmetic for the same weight reads), and its oneDNN packed product
+    # is an op the FLOP counter does not know
     monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
+    monkeypatch.setattr(minillm.model.Linear, "PREPACK", False)
 
 
 @pytest.mark.parametrize("batch,context", [(1, 4), (3, 7), (2, 20)])

@@ -21,14 +21,14 @@ from ..sampling import SamplingParams
 
 # matrix products as the CPU profiler names them (fp32/bf16 GEMMs and the int4 kernel)
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
-            "aten::_weight_int8pack_mm")
+            "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise")
 
 
 @dataclass
 class StepProfile:
     step_ms: float                  # wall time of one step, no profiler
     gemm_ms: float                  # profiler self time of GEMM_OPS per step
-    ops_per_step: float             # aten ops called per step (all of them)
+    ops_per_step: float             # torch ops (aten::, mkldnn::) called per step, all of them
     steps: int
     rows: list = field(default_factory=list)   # [(op name, calls per step, self ms per step)]
 
@@ -75,7 +75,7 @@ def profile_steps(engine: LLMEngine, steps: int = 10, warmup: int = 3) -> StepPr
             engine.step()
     rows, gemm_us, calls = [], 0.0, 0
     for e in prof.key_averages():
-        if not e.key.startswith("aten::"):
+        if not e.key.startswith(("aten::", "mkldnn::")):      # torch's ops, not Python ranges
             continue
         calls += e.count
         rows.append((e.key, e.count / steps, e.self_cpu_time_total / 1e3 / steps))
@@ -90,7 +90,7 @@ def op_table(p: StepProfile, top: int = 12) -> str:
     lines = [f"{'op':36s} {'calls/step':>10s} {'self ms/step':>12s}"]
     lines += [f"{name:36s} {calls:10.0f} {ms:12.2f}" for name, calls, ms in p.rows[:top]]
     lines.append(f"step {p.step_ms:.1f} ms = GEMM {p.gemm_ms:.1f} ms + other {p.other_ms:.1f} ms;"
-                 f" {p.ops_per_step:.0f} aten ops per step")
+                 f" {p.ops_per_step:.0f} torch ops per step")
     return "\n".join(lines)
 
 
