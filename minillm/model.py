@@ -166,6 +166,13 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
+    def __getstate__(self):
+        """Copies and pickles leave the packed weight behind (it is remade on first use)."""
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)
+        state.pop("_packed_key", None)
+        return state
+
     def prepacked(self):
         """The weight in oneDNN's blocked layout (made once per weight version), or None where
         this torch cannot pack it."""

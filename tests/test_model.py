@@ -1,4 +1,7 @@
 """The decoder against transformers' own implementation of the same weights (CPU, fp32)."""
+import copy
+import pickle
+
 import pytest
 import torch
 import transformers
@@ -114,6 +117,11 @@ def test_linear_packs_again_when_its_weight_changes():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight,
                                                                         layer.bias))
     assert "_packed" not in layer.state_dict()
+    twin = copy.deepcopy(layer)                              # e.g. a bf16 copy of a used model
+    assert "_packed" not in twin.__dict__
+    with torch.no_grad():
+        torch.testing.assert_close(twin(x), layer(x))
+    assert pickle.loads(pickle.dumps(layer)).prepacked() is not None
 
 
 def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundled):
