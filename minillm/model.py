@@ -188,6 +188,19 @@ class Linear(nn.Linear):
         return self.__dict__["_packed"]
 
 
+def prepack(model) -> int:
+    """Make every CPU Linear's packed weight now, so that no request pays for it later (an
+    engine calls this when it starts on a CPU). Returns the bytes of the weights packed: the
+    extra memory the packed copies take (0 on a GPU, with PREPACK off, or without oneDNN)."""
+    total = 0
+    with torch.no_grad():
+        for m in model.modules():
+            if (isinstance(m, Linear) and m.PREPACK and m.weight.device.type == "cpu"
+                    and m.prepacked() is not None):
+                total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
 def _prepack(w):
     """oneDNN's packed copy of a 2-D CPU weight, or None (no oneDNN, or no bf16 support)."""
     if not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):

@@ -124,6 +124,19 @@ def test_linear_packs_again_when_its_weight_changes():
     assert pickle.loads(pickle.dumps(layer)).prepacked() is not None
 
 
+def test_prepack_packs_every_cpu_linear_once():
+    model, _ = minillm.load_model(configs.get("smollm2-135m").with_(
+        name="tiny", num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4,
+        num_kv_heads=2, head_dim=16, vocab_size=256), weights="random", device="cpu")
+    linears = [m for m in model.modules() if isinstance(m, minillm.model.Linear)]
+    assert len(linears) == 4 * 2 + 1
+    expected = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    assert minillm.model.prepack(model) == expected
+    packed = [m.prepacked() for m in linears]
+    minillm.model.prepack(model)                             # again: nothing is made twice
+    assert all(a is m.prepacked() for a, m in zip(packed, linears))
+
+
 def test_greedy_with_cache_matches_transformers_and_recompute(bundled, hf_bundled):
     model, tok = bundled
     for prompt in PROMPTS[:2]:

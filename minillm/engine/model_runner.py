@@ -34,7 +34,7 @@ import torch
 
 from ..cache.paged import PagedKVCache, build_step_metadata, resolve_kv_cache_dtype
 from ..kvmath import kv_bytes_per_token
-from ..model import capture_features, capture_hidden
+from ..model import capture_features, capture_hidden, prepack
 from ..sampling import apply_penalties, sample, token_logprobs
 from .cuda_graphs import build_graph_runner
 from .spec_decode import verify
@@ -99,6 +99,7 @@ class ModelRunner:
         self.cache = PagedKVCache(model.config, num_blocks, block_size, dtype=model.dtype,
                                   device=model.device, num_cpu_blocks=num_cpu_blocks,
                                   block_manager=block_manager, kv_cache_dtype=kv_cache_dtype)
+        prepack(model)          # CPU products on packed weights (ch. 12): now, not mid-request
         # decode steps replayed from CUDA graphs (chapter 12); NoGraphs on CPU / when eager
         self.graphs = build_graph_runner(model, self.cache, max_num_seqs, enforce_eager,
                                          needs_hidden or needs_features)

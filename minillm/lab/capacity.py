@@ -98,6 +98,8 @@ def step_peak_bytes(model, num_tokens: int, last_only: bool = True) -> int:
         try:
             os.close(r)
             torch.set_num_threads(1)                       # OpenMP pools do not survive fork
+            from ..model import prepack
+            prepack(model)                                 # packed weights are not the step's
             ids = torch.zeros(1, int(num_tokens), dtype=torch.long)
             before = _rss_bytes()
             with torch.inference_mode():
