@@ -135,9 +135,10 @@ class Linear(nn.Linear):
       the bandwidth a two-row product reaches, and this path beat the packed one there.
 
     benchmarks/bench_skinny_gemm.py measures the choice on a machine, with the weights coming
-    from memory as in a real step. The packed copy is made at the first call that needs it and
-    made again when the weight changes (another tensor, an in-place copy, another dtype); it
-    doubles the memory of the weights it packs. Same numbers up to float rounding
+    from memory as in a real step. The packed copy is made at the first call that needs it (an
+    engine makes them all when it starts: `prepack`) and made again when the weight changes
+    (another tensor, an in-place copy, another dtype); it doubles the memory of the weights it
+    packs. Same numbers up to float rounding
     (tests/test_model.py); parameters and state-dict names are nn.Linear's. A GPU, a product
     that autograd records, or a torch without oneDNN takes F.linear. `SKINNY_ROWS = range(0)`
     and `PREPACK = False` switch the two paths off.
