@@ -68,7 +68,9 @@ def main(argv=None):
 
 
 def flip(w, packed, x):
-    """(W @ x^T)^T, one row sent as two: Linear's path for 1-2 fp32 rows."""
+    """(W @ x^T)^T, one row sent as two: Linear's path for 1-2 fp32 rows. Written out here, not
+    called through Linear, so that it is timed at every row count and for bf16 too, where
+    Linear does not take it."""
     flat = x.repeat(2, 1) if x.shape[0] == 1 else x
     return torch.mm(w, flat.t())[:, :x.shape[0]].t().contiguous()
 

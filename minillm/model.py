@@ -140,9 +140,8 @@ class Linear(nn.Linear):
     engine makes them all when it starts: `prepack`) and made again when the weight changes
     (another tensor, an in-place copy, another dtype); it doubles the memory of the weights it
     packs. Same numbers up to float rounding (tests/test_model.py); parameters and state-dict
-    names are nn.Linear's. A GPU, a product
-    that autograd records, or a torch without oneDNN takes F.linear. `SKINNY_ROWS = range(0)`
-    and `PREPACK = False` switch the two paths off.
+    names are nn.Linear's. A GPU, a product that autograd records, or a torch without oneDNN
+    takes F.linear. `SKINNY_ROWS = range(0)` and `PREPACK = False` switch the two paths off.
     """
 
     SKINNY_ROWS = range(1, 3)                                # fp32 rows taking (W @ x^T)^T
@@ -159,7 +158,7 @@ class Linear(nn.Linear):
             if rows == 1:
                 flat = torch.cat((flat, flat))               # [2, K]: a GEMM, not a GEMV
             if self.bias is None:
-                out = torch.mm(w, flat.t())                  # [N, 2]: rows 1-2 -> 2
+                out = torch.mm(w, flat.t())                  # [N, M] (one row: M = 2)
             else:
                 out = torch.addmm(self.bias[:, None], w, flat.t())
             return out[:, :rows].t().contiguous().view(*x.shape[:-1], self.out_features)
