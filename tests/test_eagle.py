@@ -181,3 +181,73 @@ def test_default_weights_are_for_the_bundled_model(model):
         pytest.skip("no committed EAGLE weights")
     with pytest.raises(ValueError, match="make train-eagle"):
         LLMEngine(model, None, speculative_config=dict(method="eagle", num_speculative_tokens=2))
+
+
+def test_training_unroll_sees_what_drafting_sees(model, drafter):
+    """train_eagle.unrolled: depth 1 is the teacher-forced drafter; depth e at position p equals
+    the drafter run through its cache the way draft step e runs (true-feature positions
+    0 .. p - e + 1, then its own outputs fed back one position at a time)."""
+    from minillm.cache.contiguous import ContiguousKVCache
+    from minillm.spec.train_eagle import unrolled
+    import copy
+    torch.manual_seed(1)
+    drafter = copy.deepcopy(drafter)
+    with torch.no_grad():                # the identity start zeroes both output projections
+        drafter.layer.self_attn.o_proj.weight.normal_(0, 0.2)
+        drafter.layer.mlp.down_proj.weight.normal_(0, 0.2)
+    ids = torch.randint(0, VOCAB, (1, 14))
+    f = hidden_states(model, ids)                                       # [1, 14, C]
+    fin, nxt = f[:, :-1], ids[:, 1:]                                    # (f_p, x_{p+1})
+    with torch.no_grad():
+        outs = unrolled(drafter, model, fin, nxt, 3)
+        torch.testing.assert_close(outs[0], drafter(model, fin, nxt))
+        for p in (2, 6, 11):                       # the depth-3 row p: true keys up to p - 2
+            cache = ContiguousKVCache(drafter.config, 1, 16)
+            drafter(model, fin[:, :p - 1], nxt[:, :p - 1], cache)
+            g2 = drafter(model, outs[0][:, p - 2:p - 1], nxt[:, p - 1:p], cache)
+            torch.testing.assert_close(g2[0, 0], outs[1][0, p - 1], atol=1e-5, rtol=1e-4)
+            g3 = drafter(model, g2, nxt[:, p:p + 1], cache)
+            torch.testing.assert_close(g3[0, 0], outs[2][0, p], atol=1e-5, rtol=1e-4)
+
+
+def test_draft_loss_soft_and_token_labels():
+    """train_eagle.draft_loss: the soft cross-entropy is smallest when the drafter's output is
+    the target's own next feature (its distribution matched), only answer rows count, and the
+    token variant reads the labels; an unknown label kind is a ValueError."""
+    from minillm.spec.train_eagle import draft_loss
+    torch.manual_seed(0)
+    w = torch.randn(11, 8)
+    fout = torch.randn(2, 5, 8)
+    mask, answer = torch.ones(2, 5), torch.zeros(2, 5)
+    answer[:, 2:] = 1
+    lab = torch.randint(0, 11, (2, 5))
+    reg0, ce0 = draft_loss(fout, fout, lab, mask, answer, w)
+    assert reg0 == 0
+    off = fout + torch.randn_like(fout)
+    reg1, ce1 = draft_loss(off, fout, lab, mask, answer, w)
+    assert reg1 > 0 and ce1 > ce0
+    prompt_only = fout.clone()
+    prompt_only[:, :2] += 5 * torch.randn(2, 2, 8)                   # rows with answer == 0
+    assert torch.isclose(draft_loss(prompt_only, fout, lab, mask, answer, w)[1], ce0)
+    _, ce_tok = draft_loss(off, fout, lab, mask, answer, w, labels="token")
+    want = torch.nn.functional.cross_entropy((off @ w.T)[:, 2:].flatten(0, 1),
+                                             lab[:, 2:].flatten())
+    torch.testing.assert_close(ce_tok, want)
+    torch.testing.assert_close(draft_loss(off, fout, lab, mask, answer, w, labels="argmax")[1],
+                               ce_tok)
+    with pytest.raises(ValueError, match="soft"):
+        draft_loss(off, fout, lab, mask, answer, w, labels="hard")
+
+
+def test_greedy_labels_are_the_greedy_continuation(model):
+    """train_eagle.greedy_labels: on a greedy answer the argmax label after position p + 1 is the
+    answer's own token x_{p+2}; computed from the stored features only."""
+    from minillm.spec.train_eagle import greedy_labels
+    ids = [3, 17, 5, 9]
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    seq = {"ids": torch.tensor(ids), "features": hidden_states(model, torch.tensor([ids]))[0]}
+    greedy_labels(model, [seq])
+    assert seq["greedy_next"].shape == (len(ids) - 2,)
+    assert seq["greedy_next"][4 - 2:].tolist() == ids[4:]
