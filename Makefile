@@ -90,9 +90,10 @@ train-draft: $(STAMP)
 	$(BIN)/python -m minillm.spec.train_medusa --threads 2 --report benchmarks/results/medusa_train_cpu.json
 
 # chapter 07's EAGLE drafter: the model writes its own conversations (.cache/eagle, resumable
-# pieces), then one decoder layer learns on its features (resumable pieces); CPU, 2 threads
+# pieces; ~40 min on 2 cores), then one decoder layer learns on its features (resumable pieces;
+# ~10 min); CPU, 2 threads
 train-eagle: $(STAMP)
-	$(BIN)/python -m minillm.spec.eagle_data --out .cache/eagle --shards 12 --budget-s 100000
+	$(BIN)/python -m minillm.spec.eagle_data --out .cache/eagle --budget-s 100000
 	$(BIN)/python -m minillm.spec.train_eagle --data .cache/eagle --budget-s 100000 --report benchmarks/results/eagle_train_cpu.json
 
 # optional (chapter 12, benchmarks/bench_engine.py --systems llama_cpp): llama-cpp-python built
