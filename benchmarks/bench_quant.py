@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minillm  # noqa: E402
 import minillm.engine  # noqa: E402
 from minillm import SamplingParams  # noqa: E402
-from minillm.quant import quantize_model, weight_bytes  # noqa: E402
+from minillm.quant import DEFAULT_GROUP_SIZE, quantize_model, weight_bytes  # noqa: E402
 from minillm.roofline import best_time, measure_bandwidth  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -132,6 +132,15 @@ def quality(args) -> dict:
     from minillm.quant.gptq import gptq_quantize_model
 
     ref, tok = build("fp32")
+    if args.lm_head:        # what quantizing the LM head too costs, beside the same format without
+        variants = {"int8": build("int8")[0], "int8_lm_head": build_variant("int8_lm_head")[0],
+                    "int4": build("int4", DEFAULT_GROUP_SIZE)[0],
+                    "int4_lm_head": build_variant("int4_lm_head")[0]}
+        table = qq.quality_table(ref, variants, tok, max_new_tokens=args.max_tokens)
+        return {"table": {k: v.row() for k, v in table.items()},
+                "group_size": DEFAULT_GROUP_SIZE,
+                "eval_text": [f"minillm/{f}" for f in qq.EVAL_FILES],
+                "weight_bytes": {k: weight_bytes(m) for k, m in variants.items()}}
     variants, seconds = {"bf16": build("bf16")[0]}, {}
     variants["int8"] = build("int8")[0]
     for g in args.groups:
@@ -233,6 +242,8 @@ def main(argv=None):
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--lm-head", action="store_true",
+                   help="quality: int8 and int4 with and without the LM head quantized")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
