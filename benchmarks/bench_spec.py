@@ -198,6 +198,8 @@ def batch1(model, tok, args, props) -> list:
                            draft_seconds=round(a["stats"].draft_time, 3),
                            per_prompt=_per_prompt(a["per_prompt"], acc.get("none")),
                            **{k: v for k, v in a["stats"].as_dict().items()})
+                if m == "eagle_tree":
+                    row["tree_branches"] = args.tree_branches
                 if temp == 0 and "none" in acc:
                     row["identical_to_plain_greedy"] = a["outs"] == acc["none"]["outs"]
                 rows.append(row)
@@ -276,7 +278,8 @@ def plot(result, path):
     axes[2].legend(fontsize=7)
     axes[2].axhline(1, color="k", lw=0.8)
     axes[2].set_xscale("log", base=2)
-    axes[2].set_xlabel("batch size (engine, grounded prompts)")
+    axes[2].set_xlabel(f"batch size (engine, {sw[0]['prompt_set'] if sw else 'grounded'} "
+                       "prompt replicated)")
     axes[2].set_ylabel("speedup vs no speculation")
     fig.suptitle(f"speculative decoding, {result['device']}, {result['date']}")
     fig.tight_layout()
