@@ -266,14 +266,20 @@ class Attention(nn.Module):
                                           cfg.num_kv_heads, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache=None):              # x [B, T, C]
+    def project(self, x, cos, sin):                          # x [B, T, C]
+        """The rotated queries and keys and the values of x: (q, k, v)."""
         B, T, _ = x.shape
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)                               # [B, T, (H + 2 KVH) D]: one GEMM
         # q and k rotate together (one rope call), v is a view of the same output
         qk = apply_rope(qkv[..., :(H + KVH) * D].view(B, T, H + KVH, D), cos, sin)
         q, k = qk.split([H, KVH], dim=2)                     # [B, T, H, D], [B, T, KVH, D]
-        v = qkv[..., (H + KVH) * D:].view(B, T, KVH, D)      # [B, T, KVH, D]
+        return q, k, qkv[..., (H + KVH) * D:].view(B, T, KVH, D)     # v [B, T, KVH, D]
+
+    def forward(self, x, cos, sin, cache=None):              # x [B, T, C]
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q, k, v = self.project(x, cos, sin)
         if cache is None:
             out = causal_attention(q, k, v)
         else:

@@ -50,6 +50,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..model import causal_attention
+
 
 def load_shards(data: Path) -> tuple:
     train = []
@@ -141,18 +143,6 @@ def draft_loss(g, fout, lab, mask, answer, w, labels: str = "soft") -> tuple:
     return reg, (ce * answer).sum() / answer.sum().clamp(min=1)
 
 
-def _qkv(attn, x, cos, sin) -> tuple:
-    """The drafter layer's rotated q [B, T, H, D], k and v [B, T, KVH, D] (model.Attention's
-    first half, written out so the keys can be arranged as drafting arranges them)."""
-    from ..model import apply_rope
-    B, T, _ = x.shape
-    H, KVH, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    qkv = attn.qkv_proj(x)
-    q, k = apply_rope(qkv[..., :(H + KVH) * D].view(B, T, H + KVH, D), cos, sin).split(
-        [H, KVH], dim=2)
-    return q, k, qkv[..., (H + KVH) * D:].view(B, T, KVH, D)
-
-
 def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
     """x [B, T, ...] moved n positions later along T (zeros in front)."""
     return x if n == 0 else torch.cat([torch.zeros_like(x[:, :n]), x[:, :-n]], dim=1)
@@ -172,11 +162,11 @@ def unrolled(drafter, model, fin, nxt, steps: int) -> list:
 
     def block(feats, attend):
         x = drafter.fc(torch.cat([emb, feats], dim=-1))
-        q, k, v = _qkv(attn, layer.input_layernorm(x), cos, sin)
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         y = x + attn.o_proj(attend(q, k, v).reshape(B, T, H * D))
         return y + layer.mlp(layer.post_attention_layernorm(y)), k, v
 
-    g, k1, v1 = block(fin, causal_attention_ref)
+    g, k1, v1 = block(fin, causal_attention)
     outs, ks, vs = [g], [], []
     group = H // KVH
     for e in range(2, steps + 1):
@@ -198,11 +188,6 @@ def unrolled(drafter, model, fin, nxt, steps: int) -> list:
         g, _, _ = block(_shift(outs[-1].detach(), 1), attend)
         outs.append(g)
     return outs
-
-
-def causal_attention_ref(q, k, v):
-    from ..model import causal_attention
-    return causal_attention(q, k, v)
 
 
 def train(model, drafter, seqs: list, args, log=print) -> dict:
