@@ -136,23 +136,20 @@ def quality(args) -> dict:
         variants = {"int8": build("int8")[0], "int8_lm_head": build_variant("int8_lm_head")[0],
                     "int4": build("int4", DEFAULT_GROUP_SIZE)[0],
                     "int4_lm_head": build_variant("int4_lm_head")[0]}
-        table = qq.quality_table(ref, variants, tok, max_new_tokens=args.max_tokens)
-        return {"table": {k: v.row() for k, v in table.items()},
-                "group_size": DEFAULT_GROUP_SIZE,
-                "eval_text": [f"minillm/{f}" for f in qq.EVAL_FILES],
-                "weight_bytes": {k: weight_bytes(m) for k, m in variants.items()}}
-    variants, seconds = {"bf16": build("bf16")[0]}, {}
-    variants["int8"] = build("int8")[0]
-    for g in args.groups:
-        variants[f"int4_rtn_g{g}"] = build("int4", g)[0]
-        t0 = time.perf_counter()
-        variants[f"int4_gptq_g{g}"] = gptq_quantize_model(build("fp32")[0],
-                                                          qq.calibration_ids(tok), g)
-        seconds[f"int4_gptq_g{g}"] = time.perf_counter() - t0
+        extra = {"group_size": DEFAULT_GROUP_SIZE}
+    else:
+        variants, seconds = {"bf16": build("bf16")[0], "int8": build("int8")[0]}, {}
+        for g in args.groups:
+            variants[f"int4_rtn_g{g}"] = build("int4", g)[0]
+            t0 = time.perf_counter()
+            variants[f"int4_gptq_g{g}"] = gptq_quantize_model(build("fp32")[0],
+                                                              qq.calibration_ids(tok), g)
+            seconds[f"int4_gptq_g{g}"] = time.perf_counter() - t0
+        extra = {"gptq_seconds": seconds,
+                 "calibration_text": [f"minillm/{f}" for f in qq.CALIBRATION_FILES]}
     table = qq.quality_table(ref, variants, tok, max_new_tokens=args.max_tokens)
-    return {"table": {k: v.row() for k, v in table.items()}, "gptq_seconds": seconds,
+    return {"table": {k: v.row() for k, v in table.items()}, **extra,
             "eval_text": [f"minillm/{f}" for f in qq.EVAL_FILES],
-            "calibration_text": [f"minillm/{f}" for f in qq.CALIBRATION_FILES],
             "weight_bytes": {k: weight_bytes(m) for k, m in variants.items()}}
 
 
