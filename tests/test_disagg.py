@@ -28,6 +28,10 @@ def spec(**kw):
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+# Long enough that requests overlap on the decode worker whatever the two processes' relative
+# speed: each decodes for 31 steps while the prefill worker hands off a prompt every <= 3 steps,
+# and two long prompts (up to 60 + 32 tokens, 6 blocks each) overflow its 10-block pool.
+LONG = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +46,14 @@ def disagg():
 def test_disaggregated_greedy_equals_the_colocated_engine_token_for_token(disagg):
     ps = prompts(10)
     model = random_model(CFG, "cpu", torch.float32, seed=0)
-    ref = LLM((model, None), num_kv_blocks=64, block_size=16).generate(ps, GREEDY,
+    ref = LLM((model, None), num_kv_blocks=64, block_size=16).generate(ps, LONG,
                                                                        use_tqdm=False)
-    outs = disagg.generate(ps, GREEDY)
+    outs = disagg.generate(ps, LONG)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert all(o.finish_reason == "length" for o in outs)
     per_token = kvmath.kv_bytes_per_token(CFG, dtype="float32")
     assert [o.kv_bytes for o in outs] == [per_token * len(p) for p in ps]   # chapter 01's formula
-    assert all(o.ttft is not None and len(o.itl) == 7 for o in outs)
+    assert all(o.ttft is not None and len(o.itl) == 31 for o in outs)
     # the decode engine computed no prompt token: all came from the transfer (or its own prefix
     # cache), and it preempted and recomputed some requests on its small pool
     assert [o.decode_cached_tokens for o in outs] == [len(p) for p in ps]
