@@ -7,7 +7,8 @@ import torch
 
 from minillm.cache.contiguous import ContiguousKVCache
 from minillm.spec import theory
-from minillm.spec.tree import (accept_walk, compact, depths, tree_forward, tree_mask,
+from minillm.spec.tree import (accept_walk, compact, depths, masked_attention,
+                               masked_attention_reference, tree_forward, tree_mask,
                                tree_round_outcomes)
 
 from test_engine_modes import tiny_model
@@ -26,6 +27,25 @@ def test_tree_mask_and_depths():
     for i, anc in ancestors.items():
         assert {j for j in range(len(PARENTS)) if m[i, j]} == anc
     assert depths(PARENTS) == [0, 1, 1, 2, 2, 2, 3]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("context,heads", [(0, (4, 4)), (9, (6, 2)), (33, (9, 3))])
+def test_masked_attention_matches_its_plain_twin(context, heads, dtype, tol):
+    g = torch.Generator().manual_seed(context)
+    H, KVH = heads
+    n = len(PARENTS)
+    q = torch.randn(1, n, H, 16, generator=g).to(dtype)
+    k = torch.randn(1, context + n, KVH, 16, generator=g).to(dtype)
+    v = torch.randn(1, context + n, KVH, 16, generator=g).to(dtype)
+    allowed = torch.cat([torch.ones(n, context, dtype=torch.bool), tree_mask(PARENTS)], dim=1)
+    got, want = masked_attention(q, k, v, allowed), masked_attention_reference(q, k, v, allowed)
+    assert got.dtype == dtype and got.shape == (1, n, H, 16)
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # a key a node may not see changes nothing for it: node 1 never sees node 2's slot
+    k2 = k.clone()
+    k2[0, context + 2] += 5
+    assert torch.equal(masked_attention(q, k2, v, allowed)[0, 1], got[0, 1])
 
 
 @pytest.fixture(scope="module")

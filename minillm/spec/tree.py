@@ -85,24 +85,36 @@ class TreeCache:
 
     def __init__(self, cache: ContiguousKVCache, parents: list):
         self.cache, self.mask = cache, tree_mask(parents)             # [n, n]
-        self.seq_len = cache.seq_len
+        self.seq_len = start = cache.seq_len
+        n = len(parents)
+        if start + n > cache.max_len:
+            raise ValueError(f"the tree needs {start + n} cache slots, the cache has "
+                             f"{cache.max_len}; make it larger or the tree smaller")
+        # what each node sees, built once for every layer: the context, then its ancestors
+        self.allowed = torch.cat([torch.ones(n, start, dtype=torch.bool), self.mask],
+                                 dim=1).to(cache.k.device)           # [n, start + n]
 
     def attend(self, layer: int, q, k, v):                    # q [1, n, H, D], k/v [1, n, KVH, D]
         c, n, start = self.cache, q.shape[1], self.cache.seq_len
-        if start + n > c.max_len:
-            raise ValueError(f"the tree needs {start + n} cache slots, the cache has "
-                             f"{c.max_len}; make it larger or the tree smaller")
         c.k[layer, :, start:start + n], c.v[layer, :, start:start + n] = k, v
         return masked_attention(q, c.k[layer, :, :start + n], c.v[layer, :, :start + n],
-                                torch.cat([torch.ones(n, start, dtype=torch.bool),
-                                           self.mask], dim=1).to(q.device))
+                                self.allowed)
 
     def advance(self, num_tokens: int) -> None:
         self.seq_len += num_tokens
 
 
 def masked_attention(q, k, v, allowed: torch.Tensor):
-    """q [B, Tq, H, D]; k, v [B, Tk, KVH, D]; allowed [Tq, Tk] bool -> [B, Tq, H, D]."""
+    """q [B, Tq, H, D]; k, v [B, Tk, KVH, D]; allowed [Tq, Tk] bool -> [B, Tq, H, D]. PyTorch's
+    fused attention with the mask (grouped KV heads shared, not copied)."""
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=allowed,
+        enable_gqa=q.shape[2] != k.shape[2])                           # [B, H, Tq, D]
+    return o.transpose(1, 2)
+
+
+def masked_attention_reference(q, k, v, allowed: torch.Tensor):
+    """The same, written out in fp32 (the twin tests compare against)."""
     H, D, KVH = q.shape[2], q.shape[3], k.shape[2]
     k = k.repeat_interleave(H // KVH, dim=2)
     v = v.repeat_interleave(H // KVH, dim=2)
@@ -210,4 +222,5 @@ def tree_round_outcomes(p: Dist, q: Dist, branching: tuple, prefix: tuple = ()) 
 
 
 __all__ = ["tree_mask", "depths", "children_of", "TreeCache", "tree_forward", "compact",
-           "accept_walk", "tree_round_outcomes", "masked_attention", "check_tree"]
+           "accept_walk", "tree_round_outcomes", "masked_attention", "masked_attention_reference",
+           "check_tree"]
