@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep-set", default="grounded", help="the sweep's replicated prompt")
     p.add_argument("--head-cost", action="store_true", help="time EAGLE's two heads")
     p.add_argument("--tree-branches", type=int, default=2)
+    p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="EAGLE's drafter alone in this dtype (default: the model's)")
     p.add_argument("--batch-sizes", default="1,4,16")
     p.add_argument("--sweep-max-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
@@ -88,7 +90,8 @@ def ngram_config(args) -> dict:
 
 
 def eagle_config(args, head: str) -> dict:
-    return dict(method="eagle", num_speculative_tokens=args.k, draft_head=head)
+    return dict(method="eagle", num_speculative_tokens=args.k, draft_head=head,
+                draft_dtype=args.draft_dtype)
 
 
 def sweep_config(args, method: str) -> dict:
@@ -96,16 +99,19 @@ def sweep_config(args, method: str) -> dict:
             "eagle_full": lambda a: eagle_config(a, "full")}[method](args)
 
 
-def head_cost(model, reps: int = 200) -> dict:
+def head_cost(model, reps: int = 200, draft_dtype=None) -> dict:
     """Seconds per EAGLE draft step (one token through the drafter and its head), with the
     reduced FR-Spec head and with the full LM head, and one plain target decode step."""
     from minillm.spec.eagle import EagleDrafter, new_state
     d = EagleDrafter.load(DEFAULT_EAGLE_WEIGHTS, model)
+    if draft_dtype:
+        d = d.to(getattr(torch, draft_dtype))
     C = model.config.hidden_size
-    out = {"draft_vocab": len(d.draft_vocab), "vocab": model.config.vocab_size}
+    out = {"draft_vocab": len(d.draft_vocab), "vocab": model.config.vocab_size,
+           "draft_dtype": str(d.fc.weight.dtype)}
     with torch.inference_mode():
         for name, reduced in (("reduced", True), ("full", False)):
-            st = new_state(d, reps + 8, model.lm_head.weight)
+            st = new_state(d, reps + 8)
             g, nxt = torch.zeros(1, 1, C, device=model.device), torch.tensor([[1]])
             t0 = time.perf_counter()
             for _ in range(reps):
@@ -307,7 +313,7 @@ def main(argv=None):
         model="smollm2-135m", k=args.k, max_tokens=args.max_tokens,
         draft_model=f"SmolLM2-135M skipping layers {args.draft_skip}",
         load_average_before=load_before)
-    result["head_cost"] = head_cost(model) if args.head_cost else None
+    result["head_cost"] = head_cost(model, draft_dtype=args.draft_dtype) if args.head_cost else None
     result["batch1"] = batch1(model, tok, args, props)
     result["engine_sweep"] = engine_sweep(model, tok, args) if args.batch_sizes else []
     result["load_average_after"] = os.getloadavg()

@@ -69,7 +69,7 @@ class OracleEagle(EagleProposer):
             good = i < len(ref) and rng.random() < 0.6
             return [ref[i] if good else int(logits.argmax())], None
 
-        state = r.state or new_state(self.drafter, len(ids) + 64, self.model.lm_head.weight)
+        state = r.state or new_state(self.drafter, len(ids) + 64)
         out, _ = draft_chain(self.drafter, self.model, state, ids, r.features, r.num_drafts,
                              draw, self.reduced)
         return Draft(out, None, state)
@@ -103,17 +103,23 @@ def test_greedy_eagle_equals_sequential(model, drafter, workload, mode, monkeypa
     assert OracleEagle.checked[0] > 0                           # features did arrive
 
 
-def test_prefix_cache_hit_and_n2_with_the_real_drafter(model, drafter, workload):
+@pytest.mark.parametrize("draft_dtype", [None, "bfloat16"])
+def test_prefix_cache_hit_and_n2_with_the_real_drafter(model, drafter, workload, draft_dtype):
     """The plain EagleProposer (its own argmax drafts), with a shared prefix cached between
     requests (the drafter recomputes the features of positions the target did not compute)
-    and n = 2 siblings (forked: no features of their own)."""
+    and n = 2 siblings (forked: no features of their own); in the model's dtype and with the
+    drafter alone in bf16 (other drafts, the same output)."""
     prompts, _, _ = workload
     shared = prompts[0] * 3
     ps = [shared + [1, 2], shared + [3], prompts[1]]
     ref = sequential(model, ps, [12] * 3)
     engine = LLMEngine(model, None, num_kv_blocks=200, block_size=4,
                        speculative_config=dict(method="eagle", num_speculative_tokens=2,
-                                               eagle_weights=drafter, draft_head="full"))
+                                               eagle_weights=drafter, draft_head="full",
+                                               draft_dtype=draft_dtype))
+    want = torch.bfloat16 if draft_dtype else model.dtype
+    assert engine.proposer.drafter.fc.weight.dtype == want
+    assert drafter.fc.weight.dtype == model.dtype              # the caller's drafter untouched
     outs, _ = run_engine(engine, ps, None, arrive_at=[0, 3, 3],
                          params=[SamplingParams(temperature=0.0, max_tokens=12, n=2)] * 3)
     for i in range(3):
@@ -125,18 +131,18 @@ def test_prefix_cache_hit_and_n2_with_the_real_drafter(model, drafter, workload)
 def test_the_cache_keeps_only_true_feature_positions(model, drafter):
     ids = [3, 9, 4, 4, 7, 1]
     feats = hidden_states(model, torch.tensor([ids]))[0]                     # [T, C]
-    state = new_state(drafter, 32, feats)
+    state = new_state(drafter, 32)
     argmax = lambda lg: (lg.argmax(-1).tolist(), None)                        # noqa: E731
     a, _ = draft_chain(drafter, model, state, ids[:4], feats[:3], 3, argmax)
     assert state.cache.seq_len == 3 and state.token_ids == ids[:4]
     # two more true tokens: only their features are fed, and the drafts match a fresh state's
     b, _ = draft_chain(drafter, model, state, ids, feats[3:5], 3, argmax)
-    fresh = new_state(drafter, 32, feats)
+    fresh = new_state(drafter, 32)
     c, _ = draft_chain(drafter, model, fresh, ids, None, 3, argmax)          # recomputes
     assert b == c and state.cache.seq_len == len(ids) - 1
     # a sequence that diverged from the state's tokens starts over
     d, _ = draft_chain(drafter, model, state, [5, 5, 5], None, 3, argmax)
-    e, _ = draft_chain(drafter, model, new_state(drafter, 8, feats), [5, 5, 5], None, 3, argmax)
+    e, _ = draft_chain(drafter, model, new_state(drafter, 8), [5, 5, 5], None, 3, argmax)
     assert d == e and len(a) == 3
 
 
@@ -170,6 +176,9 @@ def test_save_load_roundtrip_and_refusals(model, drafter, tmp_path):
     with pytest.raises(ValueError, match="draft_head"):
         LLMEngine(model, None, speculative_config=dict(method="eagle", num_speculative_tokens=2,
                                                        eagle_weights=drafter, draft_head="big"))
+    with pytest.raises(ValueError, match="draft_dtype must be None"):
+        LLMEngine(model, None, speculative_config=dict(method="eagle", num_speculative_tokens=2,
+                                                       eagle_weights=drafter, draft_dtype="int8"))
     with pytest.raises(ValueError, match="eagle_weights is for method 'eagle'"):
         LLMEngine(model, None, speculative_config=dict(method="medusa", num_speculative_tokens=2,
                                                        eagle_weights=drafter))

@@ -92,7 +92,8 @@ class EagleDrafter(nn.Module):
             start = cache.seq_len
         positions = torch.arange(start, start + T, device=next_ids.device).expand(B, T)
         cos, sin = model.rope(positions)
-        x = self.fc(torch.cat([model.embed_tokens(next_ids), features.to(self.fc.weight.dtype)],
+        dt = self.fc.weight.dtype                 # the drafter may run in a narrower dtype
+        x = self.fc(torch.cat([model.embed_tokens(next_ids).to(dt), features.to(dt)],
                               dim=-1))                                  # [B, T, C]
         g = self.layer(x, cos, sin, cache)
         if cache is not None:
@@ -103,16 +104,17 @@ class EagleDrafter(nn.Module):
         """The LM head's rows the drafter scores: [V', C] (FR-Spec) or the full [V, C]."""
         if not (reduced and self.use_reduced):
             return model.lm_head.weight
-        if self._head is None or self._head[1] is not model.lm_head.weight:
-            self._head = (model.lm_head.weight[self.draft_vocab].contiguous(),
-                          model.lm_head.weight)
+        if self._head is None or self._head[1] is not model.lm_head.weight or \
+                self._head[0].dtype != self.fc.weight.dtype:      # rows in the drafter's dtype
+            self._head = (model.lm_head.weight[self.draft_vocab].to(self.fc.weight.dtype)
+                          .contiguous(), model.lm_head.weight)
         return self._head[0]
 
     def logits(self, model, g: torch.Tensor, reduced: bool = True) -> torch.Tensor:
         """g [..., C] -> logits over the full vocabulary [..., V]; with the reduced head, tokens
         outside draft_vocab get -inf (never drafted)."""
         w = self.head_weight(model, reduced)
-        small = g.to(w.dtype) @ w.T                                      # [..., V'] or [..., V]
+        small = nn.functional.linear(g.to(w.dtype), w).float()          # [..., V'] or [..., V]
         if w is model.lm_head.weight:
             return small
         full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
@@ -176,10 +178,12 @@ class EagleState:
     token_ids: list
 
 
-def new_state(drafter: EagleDrafter, size: int, like: torch.Tensor) -> EagleState:
+def new_state(drafter: EagleDrafter, size: int) -> EagleState:
+    """An empty state for `size` positions, in the drafter's own dtype and device."""
     size = min(size, drafter.config.max_position_embeddings)
-    return EagleState(ContiguousKVCache(drafter.config, 1, size, dtype=like.dtype,
-                                        device=like.device), [])
+    w = drafter.fc.weight
+    return EagleState(ContiguousKVCache(drafter.config, 1, size, dtype=w.dtype, device=w.device),
+                      [])
 
 
 def reserve(drafter: EagleDrafter, state: EagleState, num_tokens: int) -> None:

@@ -118,7 +118,7 @@ def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
     feats = model.norm(fcap.value[0])                              # [T, C]
     out = [int(logits[0, -1].argmax())]
     tokens = input_ids[0].tolist() + out
-    state = new_state(proposer.drafter, T + max_new_tokens + k + 1, model.lm_head.weight)
+    state = new_state(proposer.drafter, T + max_new_tokens + k + 1)
     stats.num_target_forwards += 1
     while not stop_reason(sampling, out, eos, max_new_tokens):
         kk = min(k, max_new_tokens - len(out) - 1)

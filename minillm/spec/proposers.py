@@ -28,6 +28,7 @@ draws each draft from q = its distribution after the request's temperature / top
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -209,22 +210,38 @@ class EagleProposer:
     """The EAGLE drafter (eagle.py) for every request, one chain of k drafts each, on the
     request's own drafter cache (EagleState, kept across steps in Draft.state)."""
     needs_hidden, needs_features = False, True
-    config_keys = ("eagle_weights", "draft_head")     # a file or EagleDrafter; "reduced" | "full"
+    # eagle_weights: a file or an EagleDrafter; draft_head: "reduced" | "full"; draft_dtype:
+    # None (the model's) or a narrower float dtype for the drafter alone
+    config_keys = ("eagle_weights", "draft_head", "draft_dtype")
+    DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
     def __init__(self, model, drafter: EagleDrafter, num_speculative_tokens: int = 4,
-                 draft_head: str = "reduced"):
+                 draft_head: str = "reduced", draft_dtype=None):
         drafter.check_model(model)
         self.model, self.num_speculative_tokens = model, num_speculative_tokens
-        self.drafter = drafter.to(device=model.device, dtype=model.dtype).eval()
+        # the drafter reads its own weights and its reduced head's rows every draft: at batch 1
+        # that is memory-bound, so bf16 halves its cost (the drafts change a little; exactness
+        # does not, the rejection sampler uses the q it drew from)
+        dtype = (self.DTYPES[draft_dtype] if isinstance(draft_dtype, str) else draft_dtype) \
+            or model.dtype
+        w = drafter.fc.weight
+        if (w.device, w.dtype) != (model.device, dtype):      # a converted copy: the caller's
+            drafter = copy.deepcopy(drafter).to(device=model.device, dtype=dtype)   # stays as is
+        self.drafter = drafter.eval()
         self.reduced = draft_head == "reduced"
 
-    @staticmethod
-    def check_config(cfg: dict) -> dict:
+    @classmethod
+    def check_config(cls, cfg: dict) -> dict:
         cfg.setdefault("draft_head", "reduced")
+        cfg.setdefault("draft_dtype", None)
         if cfg["draft_head"] not in ("reduced", "full"):
             raise ValueError(f"draft_head must be 'reduced' (the FR-Spec head over the most "
                              f"frequent tokens) or 'full' (the target's LM head), got "
                              f"{cfg['draft_head']!r}")
+        dt = cfg["draft_dtype"]
+        if not (dt is None or dt in cls.DTYPES or dt in cls.DTYPES.values()):
+            raise ValueError(f"draft_dtype must be None (the model's dtype) or one of "
+                             f"{sorted(cls.DTYPES)}, got {dt!r}")
         return cfg
 
     @classmethod
@@ -232,7 +249,8 @@ class EagleProposer:
         drafter = cfg.get("eagle_weights", DEFAULT_EAGLE_WEIGHTS)    # an EagleDrafter or a file
         if not isinstance(drafter, EagleDrafter):
             drafter = EagleDrafter.load(drafter, model)
-        return cls(model, drafter, cfg["num_speculative_tokens"], cfg["draft_head"])
+        return cls(model, drafter, cfg["num_speculative_tokens"], cfg["draft_head"],
+                   cfg["draft_dtype"])
 
     @torch.inference_mode()
     def propose(self, requests: list) -> list:
@@ -240,8 +258,7 @@ class EagleProposer:
 
     def _propose_one(self, r: DraftRequest) -> Draft:
         state = r.state if isinstance(r.state, EagleState) else new_state(
-            self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts,
-            self.model.lm_head.weight)
+            self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts)
         ids, qs = draft_chain(self.drafter, self.model, state, list(r.token_ids), r.features,
                               r.num_drafts, lambda lg: draw(lg, r.params, r.generator),
                               self.reduced)

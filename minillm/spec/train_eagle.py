@@ -263,7 +263,7 @@ def heldout_acceptance(model, drafter, seqs: list, k: int, reduced: bool) -> dic
         if not s["greedy"]:
             continue
         ids, f = s["ids"].tolist(), s["features"].float()
-        state = new_state(drafter, len(ids) + k + 1, f)
+        state = new_state(drafter, len(ids) + k + 1)
         for p in range(s["answer_start"] - 1, len(ids) - 1 - k):
             toks = ids[:p + 2]                                # the newest token is x_{p+1}
             feats = f[:p + 1] if not state.token_ids else f[p:p + 1]
