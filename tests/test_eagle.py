@@ -10,9 +10,9 @@ import torch
 
 from minillm import SamplingParams
 from minillm.engine import LLMEngine
-from minillm.engine.spec_decode import Draft
 from minillm.spec import eagle as eagle_mod
-from minillm.spec.eagle import EagleDrafter, draft_chain, new_state
+from minillm.spec.eagle import (EagleDrafter, draft_batch, draft_chain, new_state, reserve,
+                                true_features)
 from minillm.spec.medusa import hidden_states
 from minillm.spec.proposers import PROPOSERS, EagleProposer
 
@@ -45,20 +45,24 @@ def workload(model):
 
 
 class OracleEagle(EagleProposer):
-    """The real EagleProposer path (draft_chain, its cache and rollback), but each draft is the
-    reference continuation with probability 0.6 (else a wrong token), so steps mix accepted and
-    rejected drafts. It also checks every feature the engine hands over against a no-cache
-    forward of the target."""
+    """The real EagleProposer path (draft_batch over the whole batch, each sequence's cache and
+    rollback), but each draft is the reference continuation with probability 0.6 (else a wrong
+    token), so steps mix accepted and rejected drafts. It also checks every feature the engine
+    hands over against a no-cache forward of the target."""
     reference: dict = {}
     checked = [0]
 
-    def _propose_one(self, r):
+    def propose(self, requests):
+        for r in requests:
+            if r.features is not None:
+                ids, m = list(r.token_ids), r.features.shape[0]
+                want = hidden_states(self.model, torch.tensor([ids[:-1]]))[0, -m:]
+                torch.testing.assert_close(r.features, want, atol=1e-4, rtol=1e-4)
+                self.checked[0] += 1
+        return super().propose(requests)
+
+    def _draw(self, r):
         ids = list(r.token_ids)
-        if r.features is not None:
-            m = r.features.shape[0]
-            want = hidden_states(self.model, torch.tensor([ids[:-1]]))[0, -m:]
-            torch.testing.assert_close(r.features, want, atol=1e-4, rtol=1e-4)
-            self.checked[0] += 1
         prompt = next((p for p in self.reference if ids[:len(p)] == list(p)), None)
         ref = self.reference.get(prompt, [])
         rng = random.Random(len(ids))
@@ -68,11 +72,7 @@ class OracleEagle(EagleProposer):
             i, at[0] = at[0], at[0] + 1
             good = i < len(ref) and rng.random() < 0.6
             return [ref[i] if good else int(logits.argmax())], None
-
-        state = r.state or new_state(self.drafter, len(ids) + 64)
-        out, _ = draft_chain(self.drafter, self.model, state, ids, r.features, r.num_drafts,
-                             draw, self.reduced)
-        return Draft(out, None, state)
+        return draw
 
 
 MODES = {
@@ -144,6 +144,65 @@ def test_the_cache_keeps_only_true_feature_positions(model, drafter):
     d, _ = draft_chain(drafter, model, state, [5, 5, 5], None, 3, argmax)
     e, _ = draft_chain(drafter, model, new_state(drafter, 8), [5, 5, 5], None, 3, argmax)
     assert d == e and len(a) == 3
+
+
+@torch.inference_mode()
+def chain_reference(drafter, model, state, ids, features, k, draw):
+    """One sequence at a time on its plain contiguous cache (the twin of draft_batch)."""
+    N = len(ids)
+    start, feats = true_features(model, state, ids, features)
+    reserve(drafter, state, N + k)
+    state.cache.seq_len = start
+    g = drafter(model, feats[None], torch.tensor([ids[start + 1:N]]), state.cache)[:, -1:]
+    state.token_ids, drafts = list(ids), []
+    for j in range(k):
+        drafts += draw(drafter.logits(model, g[0]))[0]
+        if j + 1 < k:
+            g = drafter(model, g, torch.tensor([drafts[-1:]]), state.cache)
+    state.cache.seq_len = N - 1
+    return drafts
+
+
+def test_batched_drafting_equals_one_sequence_at_a_time(model, drafter):
+    """draft_batch over sequences of mixed lengths, draft counts and histories (a cache that
+    needs one new position, one that needs several, a fresh one that recomputes, one whose
+    tokens diverged) gives each the drafts and cache contents it gets alone."""
+    rng = random.Random(3)
+    seqs = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 5, 11)]
+    ks = [3, 1, 2, 4]
+    logged = {"batch": [], "alone": []}
+
+    def argmax(tag):
+        def draw(lg):
+            logged[tag].append(lg[0])
+            return lg.argmax(-1).tolist(), None
+        return draw
+
+    def histories():                      # states that saw a prefix of each sequence earlier
+        states = [new_state(drafter, 8) for _ in seqs]
+        argmax_ = lambda lg: (lg.argmax(-1).tolist(), None)                   # noqa: E731
+        draft_chain(drafter, model, states[0], seqs[0][:8], None, 2, argmax_)
+        draft_chain(drafter, model, states[1], seqs[1][:10], None, 2, argmax_)
+        draft_chain(drafter, model, states[3], [7, 7, 7, 7], None, 2, argmax_)   # diverged
+        return states
+    feats = [hidden_states(model, torch.tensor([s]))[0, -2:-1] for s in seqs]   # the newest
+    batch_states, alone_states = histories(), histories()
+    got = draft_batch(drafter, model, batch_states, seqs, [feats[0], None, None, feats[3]], ks,
+                      [argmax("batch")] * 4)
+    want = [chain_reference(drafter, model, st, s, f, k, argmax("alone"))
+            for st, s, f, k in zip(alone_states, seqs, [feats[0], None, None, feats[3]], ks)]
+    assert [d for d, _ in got] == want and [len(d) for d in want] == ks
+    order = [(b, j) for j in range(max(ks)) for b in range(4) if j < ks[b]]   # batch: by step
+    by_seq = sorted(range(len(order)), key=lambda i: order[i])                 # alone: by seq
+    torch.testing.assert_close(torch.stack([logged["batch"][i] for i in by_seq]),
+                               torch.stack(logged["alone"]), atol=1e-4, rtol=1e-4)
+    for a, b, s in zip(batch_states, alone_states, seqs):
+        assert a.cache.seq_len == b.cache.seq_len == len(s) - 1 and a.token_ids == s
+        torch.testing.assert_close(a.cache.k[:, :, :len(s) - 1], b.cache.k[:, :, :len(s) - 1],
+                                   atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="own"):
+        draft_batch(drafter, model, [batch_states[0]] * 2, seqs[:2], [None] * 2, [1, 1],
+                    [argmax("batch")] * 2)
 
 
 def test_reduced_head_only_drafts_its_vocabulary(model, drafter):

@@ -48,6 +48,7 @@ import torch.nn as nn
 from ..cache.contiguous import ContiguousKVCache
 from ..model import Block
 from .medusa import WEIGHTS_DIR, hidden_states, model_fingerprint
+from .tree import masked_attention
 
 DEFAULT_EAGLE_WEIGHTS = WEIGHTS_DIR / "eagle_smollm2-135m.safetensors"
 FIX = ("train a drafter for this model with `make train-eagle` (python -m "
@@ -88,9 +89,12 @@ class EagleDrafter(nn.Module):
         With a cache the T positions continue it (and advance it); without, they start at
         `start` and attend causally among themselves."""
         B, T = next_ids.shape
-        if cache is not None:
-            start = cache.seq_len
-        positions = torch.arange(start, start + T, device=next_ids.device).expand(B, T)
+        if isinstance(cache, RaggedCaches):                   # each row at its own position
+            positions = cache.positions(T, next_ids.device)
+        else:
+            if cache is not None:
+                start = cache.seq_len
+            positions = torch.arange(start, start + T, device=next_ids.device).expand(B, T)
         cos, sin = model.rope(positions)
         dt = self.fc.weight.dtype                 # the drafter may run in a narrower dtype
         x = self.fc(torch.cat([model.embed_tokens(next_ids).to(dt), features.to(dt)],
@@ -213,28 +217,91 @@ def true_features(model, state: EagleState, token_ids: list, features) -> tuple:
     return start, hidden_states(model, ids)[0, start:]          # recompute: [N - 1 - start, C]
 
 
+class RaggedCaches:
+    """The model's cache seam for ONE drafter pass over several sequences, each on its own
+    EagleState cache: row b's first lengths[b] positions continue caches[b] (from its seq_len);
+    the rest of the row is padding, computed but never written or attended to. The drafter has
+    one layer, so attention runs row by row (each row's keys are its own cache); every matrix
+    product of the pass is shared by the batch."""
+
+    def __init__(self, caches: list, lengths: list):
+        self.caches, self.lengths = caches, lengths
+
+    def positions(self, T: int, device) -> torch.Tensor:          # [B, T]; padding repeats
+        return torch.tensor([[c.seq_len + min(i, t - 1) for i in range(T)]   # the last position
+                             for c, t in zip(self.caches, self.lengths)], device=device)
+
+    def attend(self, layer: int, q, k, v):            # q [B, T, H, D], k/v [B, T, KVH, D]
+        out = torch.zeros_like(q)
+        for b, (c, t) in enumerate(zip(self.caches, self.lengths)):
+            s = c.seq_len
+            c.k[layer, 0, s:s + t], c.v[layer, 0, s:s + t] = k[b, :t], v[b, :t]
+            # causal among the row's new positions (only the last one's output is drafted
+            # from, and with one layer the K/V do not depend on attention, but every output
+            # row means what it says)
+            seen = None if t == 1 else (torch.arange(s + t, device=q.device)[None]
+                                        <= s + torch.arange(t, device=q.device)[:, None])
+            out[b, :t] = masked_attention(q[b:b + 1, :t], c.k[layer, :, :s + t],
+                                          c.v[layer, :, :s + t], seen)[0]   # [t, H, D]
+        return out
+
+    def advance(self, num_tokens: int) -> None:
+        for c, t in zip(self.caches, self.lengths):
+            c.seq_len += t
+
+
 @torch.inference_mode()
+def draft_batch(drafter: EagleDrafter, model, states: list, token_lists: list, features: list,
+                ks: list, draws: list, reduced: bool = True) -> list:
+    """ks[b] drafts after token_lists[b] for every sequence b of a batch, each drafter pass and
+    head product shared by the sequences still drafting. `draws[b](logits [1, V]) -> (ids, q or
+    None)` picks row b's drafts. Returns [(draft ids, [q rows] or [])] per sequence."""
+    B, dev = len(states), model.device
+    if len({id(st) for st in states}) < B:
+        raise ValueError("two sequences share one EagleState: each needs its own (new_state)")
+    rows = []
+    for st, ids, f, k in zip(states, token_lists, features, ks):
+        N = len(ids)
+        start, feats = true_features(model, st, ids, f)              # [N - 1 - start, C]
+        reserve(drafter, st, N + k)
+        st.cache.seq_len = start
+        rows.append((feats, ids[start + 1:N]))                       # fed at start .. N - 2
+        st.token_ids = list(ids)                                     # true features to N - 2
+    lengths = [len(n) for _, n in rows]
+    T = max(lengths)
+    feats = rows[0][0].new_zeros(B, T, rows[0][0].shape[-1])         # [B, T, C], right-padded
+    nxt = torch.zeros(B, T, dtype=torch.long, device=dev)
+    for b, (f, n) in enumerate(rows):
+        feats[b, :len(n)] = f
+        nxt[b, :len(n)] = torch.tensor(n, device=dev)
+    g = drafter(model, feats, nxt, RaggedCaches([st.cache for st in states], lengths))
+    g = g[torch.arange(B, device=dev), torch.tensor(lengths, device=dev) - 1]   # [B, C]
+    drafts, qs, live = [[] for _ in range(B)], [[] for _ in range(B)], list(range(B))
+    for j in range(max(ks)):
+        logits = drafter.logits(model, g, reduced)                   # [len(live), V]
+        for r, b in enumerate(live):
+            ids, q = draws[b](logits[r:r + 1])
+            drafts[b] += ids
+            if q is not None:
+                qs[b].append(q[0])
+        keep = [r for r, b in enumerate(live) if j + 1 < ks[b]]
+        if not keep:
+            break
+        live = [live[r] for r in keep]                   # the drafter's own g and guess, fed
+        g = drafter(model, g[keep][:, None],             # at each row's next position
+                    torch.tensor([[drafts[b][-1]] for b in live], device=dev),
+                    RaggedCaches([states[b].cache for b in live], [1] * len(live)))[:, 0]
+    for st, ids in zip(states, token_lists):
+        st.cache.seq_len = len(ids) - 1                              # forget guessed positions
+    return list(zip(drafts, qs))
+
+
 def draft_chain(drafter: EagleDrafter, model, state: EagleState, token_ids: list, features,
                 k: int, draw, reduced: bool = True) -> tuple:
-    """k drafts after token_ids (the chain). `draw(logits [1, V]) -> (ids, q or None)` picks
-    each draft. Returns (draft ids, [q rows] or [])."""
-    N = len(token_ids)
-    start, feats = true_features(model, state, token_ids, features)          # [N - 1 - start, C]
-    reserve(drafter, state, N + k)
-    state.cache.seq_len = start
-    nxt = torch.tensor([token_ids[start + 1:N]], device=model.device)        # [1, N - 1 - start]
-    g = drafter(model, feats[None], nxt, state.cache)[:, -1:]                # [1, 1, C]
-    state.token_ids = list(token_ids)                          # true features up to N - 2
-    drafts, qs = [], []
-    for j in range(k):
-        ids, q = draw(drafter.logits(model, g[0], reduced))    # logits [1, V]
-        drafts += ids
-        if q is not None:
-            qs.append(q[0])
-        if j + 1 < k:
-            g = drafter(model, g, torch.tensor([ids], device=model.device), state.cache)
-    state.cache.seq_len = N - 1                                # forget the guessed positions
-    return drafts, qs
+    """k drafts after token_ids (the chain): draft_batch for one sequence. Returns (draft ids,
+    [q rows] or [])."""
+    return draft_batch(drafter, model, [state], [token_ids], [features], [k], [draw],
+                       reduced)[0]
 
 
 @torch.inference_mode()
@@ -267,5 +334,5 @@ def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list,
     return tokens, parents
 
 
-__all__ = ["EagleDrafter", "EagleState", "DEFAULT_EAGLE_WEIGHTS", "draft_chain", "draft_tree",
-           "new_state"]
+__all__ = ["EagleDrafter", "EagleState", "DEFAULT_EAGLE_WEIGHTS", "draft_chain", "draft_batch",
+           "draft_tree", "new_state", "RaggedCaches"]

@@ -36,7 +36,7 @@ import torch
 from ..cache.contiguous import ContiguousKVCache
 from ..engine.spec_decode import Draft, DraftRequest
 from ..sampling import SamplingParams, probs
-from .eagle import DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_chain, new_state
+from .eagle import DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_batch, new_state
 from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import check_lookup, ngram_propose
 
@@ -254,15 +254,21 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list) -> list:
-        return [self._propose_one(r) for r in requests]
+        """Every request's chain in the same drafter passes (draft_batch)."""
+        if not requests:
+            return []
+        states = [r.state if isinstance(r.state, EagleState) else
+                  new_state(self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts)
+                  for r in requests]
+        out = draft_batch(self.drafter, self.model, states, [list(r.token_ids) for r in requests],
+                          [r.features for r in requests], [r.num_drafts for r in requests],
+                          [self._draw(r) for r in requests], self.reduced)
+        return [Draft(ids, torch.stack(qs) if qs else None, st)
+                for (ids, qs), st in zip(out, states)]
 
-    def _propose_one(self, r: DraftRequest) -> Draft:
-        state = r.state if isinstance(r.state, EagleState) else new_state(
-            self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts)
-        ids, qs = draft_chain(self.drafter, self.model, state, list(r.token_ids), r.features,
-                              r.num_drafts, lambda lg: draw(lg, r.params, r.generator),
-                              self.reduced)
-        return Draft(ids, torch.stack(qs) if qs else None, state)
+    def _draw(self, r: DraftRequest):
+        """How request r picks its drafts from the drafter's logits [1, V]."""
+        return lambda logits: draw(logits, r.params, r.generator)
 
 
 def early_exit_model(model, num_layers: int):
