@@ -25,6 +25,13 @@ rollback: the next call feeds the accepted tokens' true features at those positi
 true features of some positions never reached the proposer (a prompt computed in several chunks,
 a prefix-cache hit, a forked sample), it recomputes them with one no-cache target pass.
 
+A batch drafts together (`draft_batch`): one drafter pass takes every sequence's new positions
+(rows right-padded to the longest), then each draft step feeds all sequences still drafting at
+once, so the layer's and the head's weights are read once per step for the whole batch instead
+of once per sequence; attention alone runs row by row, each row on its own cache
+(`RaggedCaches`). The drafter can run in a narrower dtype than the target (`draft_dtype`): at
+batch 1 its cost is reading its weights and head rows, which bf16 halves.
+
 The head: the target's own LM head (49,152 rows for SmolLM2: 28M multiply-adds per draft token,
 about a fifth of the whole 135M-parameter target) or an FR-Spec-style reduced head (Zhao et al.
 2025): only the rows of the `draft_vocab` most frequent tokens of the training answers. Drafts

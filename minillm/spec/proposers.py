@@ -13,9 +13,10 @@ before any model is loaded) and `from_config(cfg, model)` (what `build_proposer`
                         one batched head pass for all requests
     DraftModelProposer  a smaller model with the same tokenizer, run autoregressively k times
                         per request on that request's own KV cache (Draft.state)
-    EagleProposer       one decoder layer on the target's features (eagle.py), k steps per
-                        request on its own small KV cache (Draft.state); needs the target's
-                        features of the positions each step kept (`needs_features`)
+    EagleProposer       one decoder layer on the target's features (eagle.py), k passes
+                        shared by the batch, each request on its own small KV cache
+                        (Draft.state); needs the target's features of the positions each
+                        step kept (`needs_features`)
 
 The engine builds one of these once (`build_proposer`) and the batch-1 loop (loop.py) calls the
 same objects with a batch of one. A proposer keeps no per-sequence data: what it must remember
