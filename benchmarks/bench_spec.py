@@ -125,8 +125,31 @@ def head_cost(model, reps: int = 200, draft_dtype=None) -> dict:
         for _ in range(reps):
             model(torch.tensor([[1]], device=model.device), cache=cache)
         out["target_decode_step_ms"] = round(1e3 * (time.perf_counter() - t0) / reps, 3)
+        out["target_pass_ms_by_positions"] = verify_cost(model)
     print(json.dumps(out), flush=True)
     return out
+
+
+def verify_cost(model, context: int = 96, rounds: int = 40, sizes=(1, 2, 3, 5)) -> dict:
+    """Median ms of one target pass over m new positions after `context` cached tokens, for
+    each m in sizes, the sizes taken in turn every round (so drift hits all alike): what a
+    verification of m - 1 drafts costs next to a plain decode step, in this run."""
+    from minillm.cache.contiguous import ContiguousKVCache
+    cache = ContiguousKVCache(model.config, 1, context + max(sizes), dtype=model.dtype,
+                              device=model.device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, min(1000, model.config.vocab_size), (1, context + max(sizes)),
+                        generator=g).to(model.device)
+    times = {m: [] for m in sizes}
+    with torch.inference_mode():
+        model(ids[:, :context], cache=cache)
+        for _ in range(rounds):
+            for m in sizes:
+                cache.seq_len = context
+                t0 = time.perf_counter()
+                model(ids[:, context:context + m], cache=cache)
+                times[m].append(time.perf_counter() - t0)
+    return {str(m): round(1e3 * statistics.median(t), 3) for m, t in times.items()}
 
 
 def proposers(model, args):
