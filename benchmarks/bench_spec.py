@@ -74,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep-set", default="grounded", help="the sweep's replicated prompt")
     p.add_argument("--head-cost", action="store_true", help="time EAGLE's two heads")
     p.add_argument("--tree-branches", type=int, default=2)
+    p.add_argument("--eagle-weights", default=None,
+                   help="an EAGLE drafter file (default: the committed one), e.g. an older one")
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="EAGLE's drafter alone in this dtype (default: the model's)")
     p.add_argument("--batch-sizes", default="1,4,16")
@@ -90,8 +92,11 @@ def ngram_config(args) -> dict:
 
 
 def eagle_config(args, head: str) -> dict:
-    return dict(method="eagle", num_speculative_tokens=args.k, draft_head=head,
-                draft_dtype=args.draft_dtype)
+    cfg = dict(method="eagle", num_speculative_tokens=args.k, draft_head=head,
+               draft_dtype=args.draft_dtype)
+    if args.eagle_weights:
+        cfg["eagle_weights"] = args.eagle_weights
+    return cfg
 
 
 def sweep_config(args, method: str) -> dict:
@@ -99,11 +104,11 @@ def sweep_config(args, method: str) -> dict:
             "eagle_full": lambda a: eagle_config(a, "full")}[method](args)
 
 
-def head_cost(model, reps: int = 200, draft_dtype=None) -> dict:
+def head_cost(model, reps: int = 200, draft_dtype=None, weights=None) -> dict:
     """Seconds per EAGLE draft step (one token through the drafter and its head), with the
     reduced FR-Spec head and with the full LM head, and one plain target decode step."""
     from minillm.spec.eagle import EagleDrafter, new_state
-    d = EagleDrafter.load(DEFAULT_EAGLE_WEIGHTS, model)
+    d = EagleDrafter.load(weights or DEFAULT_EAGLE_WEIGHTS, model)
     if draft_dtype:
         d = d.to(getattr(torch, draft_dtype))
     C = model.config.hidden_size
@@ -336,7 +341,8 @@ def main(argv=None):
         model="smollm2-135m", k=args.k, max_tokens=args.max_tokens,
         draft_model=f"SmolLM2-135M skipping layers {args.draft_skip}",
         load_average_before=load_before)
-    result["head_cost"] = head_cost(model, draft_dtype=args.draft_dtype) if args.head_cost else None
+    result["head_cost"] = (head_cost(model, draft_dtype=args.draft_dtype,
+                                     weights=args.eagle_weights) if args.head_cost else None)
     result["batch1"] = batch1(model, tok, args, props)
     result["engine_sweep"] = engine_sweep(model, tok, args) if args.batch_sizes else []
     result["load_average_after"] = os.getloadavg()
