@@ -1,6 +1,6 @@
 """Training data for the EAGLE drafter (chapter 07): conversations the bundled model writes itself.
 
-    python -m minillm.spec.eagle_data --out .cache/eagle --shards 40     # resumable, shard by shard
+    python -m minillm.spec.eagle_data --out .cache/eagle --shards 72     # resumable, shard by shard
 
 A drafter learns to predict what THIS model says next, so its data is the model's own output
 (self-distillation), and what it is asked decides what the drafter can guess on new prompts. The
@@ -217,7 +217,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default=".cache/eagle")
-    ap.add_argument("--shards", type=int, default=40, help="training shards to have")
+    ap.add_argument("--shards", type=int, default=72, help="training shards to have")
     ap.add_argument("--shard-size", type=int, default=64, help="conversations per shard")
     ap.add_argument("--heldout", type=int, default=48, help="held-out conversations (one shard)")
     ap.add_argument("--max-tokens", type=int, default=96)
