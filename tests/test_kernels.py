@@ -144,6 +144,25 @@ def test_batched_prefill_matches_the_reference(block_size, group):
                  torch.float32)
 
 
+@pytest.mark.parametrize("pad", [-1, 10**6])
+def test_batched_never_follows_a_padding_entry(pad):
+    """Table entries past a sequence's blocks may hold anything (-1, an id past the pool): the
+    batched path gathers whole blocks, so it must not index with them."""
+    lens = [3, 13, 7]
+    k_cache, v_cache, tables, seq_lens, _, _ = paged_kv(lens, 4)
+    for b, n in enumerate(lens):
+        tables[b, math.ceil(n / 4):] = pad
+    q = torch.randn(len(lens), KV_HEADS * 3, HEAD_DIM, device=DEVICE)
+    args = (q, k_cache, v_cache, tables, seq_lens, HEAD_DIM ** -0.5)
+    assert_close(batched.paged_decode_attention(*args), reference.paged_decode_attention(*args),
+                 torch.float32)
+    cu = torch.tensor([0, 1, 3, 4], dtype=torch.int32, device=DEVICE)
+    qp = torch.randn(4, KV_HEADS * 3, HEAD_DIM, device=DEVICE)
+    args = (qp, k_cache, v_cache, cu, seq_lens, tables, HEAD_DIM ** -0.5)
+    assert_close(batched.paged_prefill_attention(*args), reference.paged_prefill_attention(*args),
+                 torch.float32)
+
+
 def test_impl_torch_matches_impl_reference():
     """The public functions with impl="torch" (the CPU default) and impl="reference" agree."""
     k_cache, v_cache, tables, seq_lens, _, _ = paged_kv([3, 12, 7], 4)

@@ -119,5 +119,5 @@ def verify(logits: torch.Tensor, draft_token_ids: Sequence[int],
     if len(draft_token_ids) == 0:
         return [int(sample(logits[-1:], params, generator))]
     if params.greedy:
-        return greedy_accept(logits.argmax(dim=-1).tolist(), draft_token_ids)
+        return greedy_accept(logits.float().argmax(dim=-1).tolist(), draft_token_ids)
     return rejection_sample(probs(logits, params), draft_token_ids, draft_probs, generator)
