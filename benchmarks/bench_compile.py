@@ -18,6 +18,16 @@ a graph. Same outputs up to float rounding (max |diff| recorded).
     python benchmarks/bench_compile.py --rows 1 4 16 --out benchmarks/results/compile_cpu_x.json
 
 Run it on a quiet machine (/work/bin/quiet-run) with 2 threads; compile time is recorded too.
+
+`--engine` measures the whole decode step instead, in the engine, the way vLLM compiles a model:
+in pieces split at attention. Each decoder layer runs two compiled pieces (RMSNorm + QKV + rope;
+output projection + residual + RMSNorm + MLP + residual) with the paged attention eager between
+them (its block tables are read on the host). Both pieces are compiled once and shared by the 30
+layers (their weights are graph inputs). Steps alternate eager and compiled rounds on one engine;
+the record holds the median step of each, the first compiled step (the compile), a profile of
+the compiled step, and whether eager and compiled decoding give the same greedy tokens.
+
+    python benchmarks/bench_compile.py --engine --batch 1 16 --out benchmarks/results/x.json
 """
 from __future__ import annotations
 
@@ -26,6 +36,7 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -85,16 +96,141 @@ def seconds(fn, x, h, repeats, rounds=3):
     return best
 
 
+class piecewise_compiled:
+    """Within this context every decoder layer's forward runs two torch.compile'd pieces with
+    the attention (cache.attend) eager between them; the class's forward is put back after."""
+
+    def __init__(self, dynamic: bool = False):
+        from minillm.model import Block
+
+        def pre(block, x, cos, sin):                     # x [B, T, C] -> q, k, v
+            return block.self_attn.project(block.input_layernorm(x), cos, sin)
+
+        def post(block, x, a):                           # x residual, a attention out [B, T, H, D]
+            x = x + block.self_attn.o_proj(a.flatten(2))
+            return x + block.mlp(block.post_attention_layernorm(x))
+
+        cpre, cpost = torch.compile(pre, dynamic=dynamic), torch.compile(post, dynamic=dynamic)
+
+        def forward(block, x, cos, sin, cache=None):
+            if cache is None:
+                raise ValueError("piecewise_compiled runs engine steps (a paged cache)")
+            q, k, v = cpre(block, x, cos, sin)
+            return cpost(block, x, cache.attend(block.self_attn.layer_idx, q, k, v))
+
+        self.cls, self.forward, self.saved = Block, forward, None
+
+    def __enter__(self):
+        from minillm.model import Linear
+        # Inductor cannot lower the product on Linear's hand-packed weight (its own packing
+        # needs `freezing`): that product stays eager, a break in the piece; the 1-2 row fp32
+        # product, (W @ x^T)^T in plain ops, is compiled with the rest
+        plain, eager = Linear.forward, torch.compiler.disable(Linear.forward)
+
+        def forward(lin, x):
+            rows = x.numel() // x.shape[-1]
+            traced = x.dtype == torch.float32 and rows in Linear.SKINNY_ROWS
+            return plain(lin, x) if traced else eager(lin, x)
+
+        self.saved = self.cls.forward, plain
+        self.cls.forward, Linear.forward = self.forward, forward
+        return self
+
+    def __exit__(self, *exc):
+        from minillm.model import Linear
+        self.cls.forward, Linear.forward = self.saved
+
+
+def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tokens: int):
+    from minillm.lab.profiling import GEMM_OPS, decode_engine, profile_steps, time_steps
+
+    comp = piecewise_compiled()
+    rows = []
+    for b in batches:
+        engine = decode_engine(model, b, context,          # room for every step below
+                               max_new_tokens=2 * rounds * steps + 10 * steps + 64)
+        row = {"batch": b}
+        with torch.inference_mode():
+            time_steps(engine, 2)
+            with comp:
+                t0 = time.perf_counter()
+                engine.step()                                   # compiles this shape
+                row["first_compiled_step_s"] = round(time.perf_counter() - t0, 2)
+            eager, compiled = [], []
+            for _ in range(rounds):                             # alternate, one engine
+                eager.append(time_steps(engine, steps))
+                with comp:
+                    compiled.append(time_steps(engine, steps))
+            row["eager_step_ms"] = round(statistics.median(eager), 2)
+            row["compiled_step_ms"] = round(statistics.median(compiled), 2)
+            row["eager_rounds_ms"] = [round(t, 2) for t in eager]
+            row["compiled_rounds_ms"] = [round(t, 2) for t in compiled]
+            prof = profile_steps(engine, steps)
+            with comp:
+                cprof = profile_steps(engine, steps)
+            gemms = [sum(c for n, c, _ in pr.rows if n in GEMM_OPS) for pr in (prof, cprof)]
+            if gemms[0] != gemms[1]:      # the runner retries a failed batch request by request
+                raise RuntimeError(f"{gemms[1]:.0f} products per compiled step, {gemms[0]:.0f} "
+                                   "eager: the compiled batched forward failed and the engine "
+                                   "ran its requests one at a time")
+            for name, pr in (("eager", prof), ("compiled", cprof)):
+                row[f"{name}_profile"] = {"step_ms": round(pr.step_ms, 2),
+                                          "gemm_ms": round(pr.gemm_ms, 2),
+                                          "other_ms": round(pr.other_ms, 2),
+                                          "ops_per_step": round(pr.ops_per_step)}
+            # greedy tokens: two engines from the same prefilled state, eager and compiled
+            a = decode_engine(model, b, context, max_new_tokens=check_tokens)
+            c = decode_engine(model, b, context, max_new_tokens=check_tokens)
+            while a.has_unfinished():
+                a.step()
+            with comp:
+                while c.has_unfinished():
+                    c.step()
+            toks = [[r.output_token_ids for reqs in e.groups.values() for r in reqs]
+                    for e in (a, c)]
+            row["check_tokens"] = check_tokens
+            row["same_greedy_tokens"] = toks[0] == toks[1]
+        print(b, "seqs:", {k: v for k, v in row.items() if not isinstance(v, (list, dict))},
+              flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--engine", action="store_true",
+                   help="the whole decode step in the engine, compiled in pieces split at "
+                        "attention (see the module docstring)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="--engine: sequences")
+    p.add_argument("--context", type=int, default=64, help="--engine: prompt tokens")
+    p.add_argument("--steps", type=int, default=10, help="--engine: steps per timed round")
+    p.add_argument("--rounds", type=int, default=3, help="--engine: eager/compiled rounds")
+    p.add_argument("--check-tokens", type=int, default=32,
+                   help="--engine: greedy tokens compared between eager and compiled")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
     model, _ = minillm.load_model("smollm2-135m", device="cpu")
+    if args.engine:
+        rows = engine_rows(model, args.batch, args.context, args.steps, args.rounds,
+                           args.check_tokens)
+        record = {"benchmark": "compile_engine", "model": "smollm2-135m", "dtype": "float32",
+                  "what": "decode steps in the engine, each layer's two halves torch.compile'd "
+                          "(default mode, static shapes), paged attention eager between them",
+                  "context": args.context, "threads": args.threads, "device": cpu_model(),
+                  "torch": torch.__version__,
+                  "date": datetime.datetime.now(datetime.timezone.utc)
+                  .strftime("%Y-%m-%dT%H:%MZ"),
+                  "load_before": load_before, "load_after": os.getloadavg()[0],
+                  "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+                  "rows": rows}
+        if args.out:
+            Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+        return record
     C = model.config.hidden_size
     rows_out = []
     with torch.inference_mode():

@@ -6,6 +6,9 @@ against everything else, torch ops per step, and the heaviest ops.
 
     python benchmarks/bench_step_profile.py --batch 1 16 64 --out benchmarks/results/x.json
 
+`--skeleton` profiles `minillm.lab.profiling.skeleton_config` of the model instead (random
+weights): the same ops and code path with next to no arithmetic, the eager floor of a step.
+
 Run it under /work/bin/quiet-run (or on any quiet machine) with 2 threads: the numbers are this
 machine's, measured side by side in one process.
 """
@@ -24,7 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import minillm  # noqa: E402
-from minillm.lab.profiling import decode_engine, op_table, profile_steps  # noqa: E402
+from minillm.lab.profiling import (decode_engine, op_table, profile_steps,  # noqa: E402
+                                   skeleton_config)
 
 
 def cpu_model() -> str:
@@ -50,13 +54,19 @@ def main(argv=None):
                    help="profile this many times and keep the round with the median step time "
                         "(a shared machine's step time moves by a third from one second to the "
                         "next; every round's time is recorded)")
+    p.add_argument("--skeleton", action="store_true",
+                   help="the model's skeleton (same ops, next to no arithmetic, random weights)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]            # at the start, before this run adds to it
     torch.set_num_threads(args.threads)
-    model, _ = minillm.load_model(args.model, device="cpu", dtype=getattr(torch, args.dtype),
-                                  quantization=args.quantization)
+    name = args.model
+    if args.skeleton:
+        name = skeleton_config(minillm.load_model(args.model, device="meta")[0].config)
+    model, _ = minillm.load_model(name, device="cpu", dtype=getattr(torch, args.dtype),
+                                  quantization=args.quantization,
+                                  weights="random" if args.skeleton else "pretrained")
     rows = []
     for b in args.batch:
         engine = decode_engine(model, b, args.context,
@@ -71,7 +81,7 @@ def main(argv=None):
                      "ops_per_step": round(prof.ops_per_step),
                      "step_ms_rounds": [round(pr.step_ms, 2) for pr in rounds],
                      "top_ops": [[n, round(c, 1), round(ms, 3)] for n, c, ms in prof.rows[:10]]})
-    record = {"benchmark": "step_profile", "label": args.label, "model": args.model,
+    record = {"benchmark": "step_profile", "label": args.label, "model": model.config.name,
               "dtype": args.dtype, "quantization": args.quantization, "context": args.context,
               "threads": args.threads,
               "device": cpu_model(), "date": datetime.datetime.now(datetime.timezone.utc)

@@ -5,6 +5,7 @@ and everything else.
     prof = profile_steps(engine, steps=10)                # torch.profiler over 10 decode steps
     prof.step_ms, prof.gemm_ms, prof.other_ms, prof.ops_per_step
     op_table(prof)                                        # the heaviest ops, per step
+    skeleton_config(model.config)                         # the same step, arithmetic taken away
 
 `step_ms` is the wall time of a step measured WITHOUT the profiler (it adds a few microseconds
 to every op); `gemm_ms` is the profiler's self time of the matrix products (`GEMM_OPS`), and
@@ -13,7 +14,7 @@ to every op); `gemm_ms` is the profiler's self time of the matrix products (`GEM
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 from ..engine.llm_engine import LLMEngine
@@ -52,6 +53,16 @@ def decode_engine(model, batch: int, context: int, max_new_tokens: int = 512,
               for reqs in engine.groups.values() for r in reqs):
         engine.step()
     return engine
+
+
+def skeleton_config(cfg, width: int = 64):
+    """`cfg` with its arithmetic taken away: the same layers, heads and code path (so the same
+    ops, kernel calls and Python per step), at widths where every product and norm costs next
+    to nothing (hidden size `width`, head size 8, a 512-token vocabulary). A decode step of
+    this model (random weights) measures what a step costs whatever its arithmetic: the
+    dispatch, Python and scheduling floor of an eager engine on this machine."""
+    return replace(cfg, name=f"{cfg.name}-skeleton", hidden_size=width,
+                   intermediate_size=2 * width, head_dim=8, vocab_size=512, published_params=None)
 
 
 def time_steps(engine: LLMEngine, steps: int) -> float:
