@@ -15,7 +15,7 @@ format (weight-only quantization saves bytes, and prefill is not limited by byte
 transformers' static `generate` (fp32, one left-padded batch) against the engine with int8 on
 the same 16 requests.
 
-quality: minillm.lab.quant_quality's table against the fp32 model on the package's README text:
+quality: minillm.lab.quant_quality's table against the fp32 model on its frozen course text:
 bf16, int8, int4 RTN and int4 GPTQ (calibrated on other course text) at groups 32 and 64.
 
 kv: the fp8 KV cache (kv_cache_dtype="fp8", e4m3, and "fp8_e5m2") against the model's own fp32

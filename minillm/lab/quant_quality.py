@@ -11,8 +11,13 @@ Four numbers compare a quantized model with the unquantized one on the same offl
     greedy match    greedy generation from several prompts: new tokens until the first token that
                     differs (the number a user notices: when does the text change?)
 
-The text is the course's own prose (the package's README files): fixed, offline, and never the
-calibration text of GPTQ (`calibration_ids` takes other files).
+The text is the course's own prose, frozen: `texts/quant_eval.md` is the package map
+(minillm/README.md) as it stood on 2026-11-24, and `texts/quant_calibration.md`, GPTQ's
+calibration text, the grading and drill READMEs of the same day. Copies, not the live files:
+the live READMEs keep changing, and a perplexity measured on one version of a text cannot be
+compared with one measured on another (the package map's first 1,024 tokens gave the fp32
+model a perplexity of 83.0 on 11-24 and 88.2 a day later). The evaluation text is never the
+calibration text.
 """
 from __future__ import annotations
 
@@ -22,8 +27,8 @@ from pathlib import Path
 import torch
 
 PACKAGE = Path(__file__).resolve().parents[1]
-EVAL_FILES = ("README.md",)                                     # minillm/README.md
-CALIBRATION_FILES = ("grading/README.md", "drill/README.md")
+EVAL_FILES = ("lab/texts/quant_eval.md",)                      # minillm/README.md, 2026-11-24
+CALIBRATION_FILES = ("lab/texts/quant_calibration.md",)        # grading + drill READMEs, 11-24
 
 
 def _token_block(tok, files, num_seqs: int, seq_len: int) -> torch.Tensor:
