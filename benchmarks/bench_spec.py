@@ -12,6 +12,8 @@ open-ended one, at several temperatures; acceptance per draft position. Methods:
     eagle_full   the same drafter with the target's full LM head
     eagle_tree   the drafter's top `--tree-branches` first tokens, each continued to depth K,
                  verified in one forward with the tree mask (spec/tree.py; greedy rows only)
+    eagle_tree1  the same tree with the runner-up branches cut to depth 1: the chain of K plus
+                 the runner-up first tokens, no extra drafter pass (greedy rows only)
 
 `--head-cost` also times one EAGLE draft step with each head (the cost FR-Spec removes).
 
@@ -55,7 +57,9 @@ from minillm.spec.eagle import DEFAULT_EAGLE_WEIGHTS  # noqa: E402
 from minillm.spec.prompts import chat, grounded_prompts, open_prompts  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-METHODS = ("none", "ngram", "medusa", "draft_model", "eagle", "eagle_full", "eagle_tree")
+METHODS = ("none", "ngram", "medusa", "draft_model", "eagle", "eagle_full", "eagle_tree",
+           "eagle_tree1")
+TREES = {"eagle_tree": None, "eagle_tree1": 1}      # method -> side_depth (None: every branch K)
 
 
 def parse_args(argv=None):
@@ -168,11 +172,13 @@ def proposers(model, args):
                                            model=spec.skip_layer_model(model, skip)),
                "eagle": lambda: eagle_config(args, "reduced"),
                "eagle_full": lambda: eagle_config(args, "full"),
-               "eagle_tree": lambda: eagle_config(args, "reduced")}
+               "eagle_tree": lambda: eagle_config(args, "reduced"),
+               "eagle_tree1": lambda: eagle_config(args, "reduced")}
     if not spec.DEFAULT_WEIGHTS.exists():
         del configs["medusa"]
     if not DEFAULT_EAGLE_WEIGHTS.exists():
-        del configs["eagle"], configs["eagle_full"], configs["eagle_tree"]
+        for m in ("eagle", "eagle_full", *TREES):
+            del configs[m]
     out = {"none": None} if "none" in wanted else {}
     out.update({m: spec.build_proposer(make(), model)
                 for m, make in configs.items() if m in wanted})
@@ -196,7 +202,7 @@ def batch1(model, tok, args, props) -> list:
             "open": lambda: chat(tok, open_prompts(args.num_prompts))}
     sets = {name: make() for name, make in sets.items() if name in args.sets.split(",")}
     for temp in [float(t) for t in args.temperatures.split(",") if t]:
-        names = [m for m in props if not (m == "eagle_tree" and temp > 0)]    # greedy tree only
+        names = [m for m in props if not (m in TREES and temp > 0)]          # greedy tree only
         for set_name, prompts in sets.items():
             acc = {m: dict(tokens=0, time=0.0, stats=spec.SpecStats(), outs=[], per_prompt=[])
                    for m in names}
@@ -206,9 +212,10 @@ def batch1(model, tok, args, props) -> list:
                     sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=i)
                     st = spec.SpecStats()
                     t0 = time.perf_counter()
-                    if m == "eagle_tree":
+                    if m in TREES:
                         out = spec.tree_generate(model, tok, prompt, props[m], args.k,
-                                                 args.max_tokens, args.tree_branches, stats=st)
+                                                 args.max_tokens, args.tree_branches, stats=st,
+                                                 side_depth=TREES[m])
                     else:
                         out = spec.speculative_generate(model, tok, prompt, props[m], args.k,
                                                         args.max_tokens, sp, stats=st)
@@ -232,8 +239,9 @@ def batch1(model, tok, args, props) -> list:
                            draft_seconds=round(a["stats"].draft_time, 3),
                            per_prompt=_per_prompt(a["per_prompt"], acc.get("none")),
                            **{k: v for k, v in a["stats"].as_dict().items()})
-                if m == "eagle_tree":
+                if m in TREES:
                     row["tree_branches"] = args.tree_branches
+                    row["tree_side_depth"] = TREES[m] or args.k
                 if temp == 0 and "none" in acc:
                     row["identical_to_plain_greedy"] = a["outs"] == acc["none"]["outs"]
                 rows.append(row)

@@ -119,6 +119,21 @@ def causal_attention(q, k, v, q_start: int = 0):
     return out.to(q.dtype)
 
 
+def fused_causal_attention(q, k, v, q_start: int = 0):
+    """causal_attention's contract (same shapes, same positions) through PyTorch's fused
+    attention, in fp32: what the contiguous caches run. One query needs no mask (it sees every
+    key); several get the causal mask offset by q_start. The tests hold it to its twin."""
+    Tq, Tk = q.shape[1], k.shape[1]
+    seen = None
+    if Tq > 1:
+        seen = (torch.arange(Tk, device=q.device)[None, :]
+                <= q_start + torch.arange(Tq, device=q.device)[:, None])        # [Tq, Tk]
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=seen, enable_gqa=q.shape[2] != k.shape[2])                   # [B, H, Tq, D]
+    return out.transpose(1, 2).to(q.dtype)
+
+
 class Linear(nn.Linear):
     """nn.Linear that, for inference on a CPU, takes the fastest product measured there.
 

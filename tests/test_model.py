@@ -237,6 +237,32 @@ def test_cache_steps_equal_full_forward():
     assert torch.allclose(torch.cat(parts, dim=1), full, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_contiguous_cache_attention_equals_its_twin(dtype):
+    """ContiguousKVCache.attend (fused SDPA, a mask only for several queries) against the
+    readable causal_attention, GQA group 3, a prefix then chunks of 4 and 1 queries."""
+    from minillm.model import causal_attention
+    cfg = ModelConfig(name="g3", vocab_size=50, hidden_size=48, intermediate_size=64,
+                      num_layers=1, num_heads=6, num_kv_heads=2, head_dim=8,
+                      max_position_embeddings=64)
+    cache = minillm.cache.contiguous.ContiguousKVCache(cfg, batch_size=2, max_len=16,
+                                                       dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    ks, vs = [], []
+    for T in (7, 4, 1):
+        q = torch.randn(2, T, 6, 8, generator=g).to(dtype)
+        k, v = (torch.randn(2, T, 2, 8, generator=g).to(dtype) for _ in range(2))
+        start = cache.seq_len
+        out = cache.attend(0, q, k, v)
+        ks.append(k)
+        vs.append(v)
+        want = causal_attention(q, torch.cat(ks, 1), torch.cat(vs, 1), q_start=start)
+        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), want.float(), **tol)
+        cache.advance(T)
+
+
 def test_random_presets_build_at_real_shapes():
     for name in configs.names():
         cfg = configs.get(name)

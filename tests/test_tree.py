@@ -156,10 +156,12 @@ def test_tree_larger_than_the_cache_is_refused(model):
         tree_forward(model, cache, TOKENS, PARENTS)
 
 
-@pytest.mark.parametrize("branches,k", [(2, 3), (3, 1), (1, 4)])
-def test_eagle_tree_decoding_equals_plain_greedy(model, branches, k):
+@pytest.mark.parametrize("branches,k,side", [(2, 3, None), (3, 1, None), (1, 4, None),
+                                             (2, 4, 1), (3, 3, 2)])
+def test_eagle_tree_decoding_equals_plain_greedy(model, branches, k, side):
     """tree_generate (EAGLE tree drafts, one tree forward per step, compaction) gives the same
-    tokens as greedy decoding; a random drafter, so most branches are rejected."""
+    tokens as greedy decoding, with full and shortened runner-up branches; a random drafter,
+    so most branches are rejected."""
     import minillm
     from minillm import SamplingParams
     from minillm.spec import EagleDrafter, EagleProposer, SpecStats
@@ -170,6 +172,32 @@ def test_eagle_tree_decoding_equals_plain_greedy(model, branches, k):
         ref = minillm.generate(model, None, prompt, max_new_tokens=20,
                                sampling=SamplingParams(temperature=0.0, max_tokens=20))
         st = SpecStats()
-        out = tree_generate(model, None, prompt, proposer, k, 20, branches, stats=st)
+        out = tree_generate(model, None, prompt, proposer, k, 20, branches, stats=st,
+                            side_depth=side)
         assert out == ref
         assert st.num_target_forwards <= 21
+
+
+def test_runner_up_branches_cut_to_side_depth(model):
+    """draft_tree's shape: the first branch k deep, every runner-up side_depth deep, all from
+    the root; a side_depth outside 1..k is refused."""
+    from minillm.spec import EagleDrafter
+    from minillm.spec.eagle import draft_tree, new_state
+    from minillm.spec.medusa import hidden_states
+    torch.manual_seed(2)
+    drafter = EagleDrafter.for_model(model)
+    ids = [3, 8, 1, 9, 4]
+    feats = hidden_states(model, torch.tensor([ids]))[0, :-1]
+    for side, want in ((None, [4, 4, 4]), (1, [4, 1, 1]), (2, [4, 2, 2])):
+        tokens, parents = draft_tree(drafter, model, new_state(drafter, 32), ids, feats, 4, 3,
+                                     side_depth=side)
+        assert len(tokens) == 1 + sum(want) and tokens[0] == ids[-1]
+        roots = [i for i, p in enumerate(parents) if p == 0]             # each branch's start
+        d = depths(parents)
+        assert [max(d[j] for j in range(r, (roots + [len(parents)])[n + 1]))
+                for n, r in enumerate(roots)] == want
+        full = draft_tree(drafter, model, new_state(drafter, 32), ids, feats, 4, 3)[0]
+        assert tokens[1:1 + 4] == full[1:1 + 4]                         # the chain is the same
+    for bad in (0, 5, 1.0, True):
+        with pytest.raises(ValueError, match="side_depth"):
+            draft_tree(drafter, model, new_state(drafter, 32), ids, feats, 4, 2, side_depth=bad)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..configs import ModelConfig
-from ..model import causal_attention
+from ..model import fused_causal_attention
 
 
 class ContiguousKVCache:
@@ -37,7 +37,10 @@ class ContiguousKVCache:
         return self.k.nbytes + self.v.nbytes
 
     def attend(self, layer: int, q, k, v):
-        """q [B, T, H, D], k/v [B, T, KVH, D] -> out [B, T, H, D]."""
+        """q [B, T, H, D], k/v [B, T, KVH, D] -> out [B, T, H, D]: query i (at position
+        seq_len + i) sees keys 0 .. seq_len + i. Through `model.fused_causal_attention`
+        (PyTorch's fused attention, as in the engine's CPU path); `model.causal_attention` is
+        its readable twin, which made every batch-1 loop of chapter 07 slower."""
         T = q.shape[1]
         start, end = self.seq_len, self.seq_len + T
         if end > self.max_len:
@@ -45,7 +48,8 @@ class ContiguousKVCache:
                              "create the cache with a larger max_len")
         self.k[layer, :, start:end] = k                           # write this step's keys
         self.v[layer, :, start:end] = v
-        return causal_attention(q, self.k[layer, :, :end], self.v[layer, :, :end], q_start=start)
+        return fused_causal_attention(q, self.k[layer, :, :end], self.v[layer, :, :end],
+                                      q_start=start)
 
     def advance(self, num_tokens: int) -> None:
         self.seq_len += num_tokens

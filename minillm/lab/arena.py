@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..configs import ModelConfig
-from ..model import causal_attention
+from ..model import fused_causal_attention
 
 # ---------------------------------------------------------------------------------------------
 # Chapter 02: many requests sharing one contiguous KV arena.
@@ -63,8 +63,8 @@ class Slab:
         start, end = self.seq_len, self.seq_len + T
         self.k[layer, start:end] = k[0]
         self.v[layer, start:end] = v[0]
-        return causal_attention(q, self.k[layer, None, :end], self.v[layer, None, :end],
-                                q_start=start)
+        return fused_causal_attention(q, self.k[layer, None, :end], self.v[layer, None, :end],
+                                      q_start=start)
 
     def advance(self, num_tokens: int) -> None:
         self.seq_len += num_tokens

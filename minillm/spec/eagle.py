@@ -313,11 +313,17 @@ def draft_chain(drafter: EagleDrafter, model, state: EagleState, token_ids: list
 
 @torch.inference_mode()
 def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list, features,
-               k: int, branches: int = 2, reduced: bool = True) -> tuple:
+               k: int, branches: int = 2, reduced: bool = True,
+               side_depth: Optional[int] = None) -> tuple:
     """A static tree for greedy verification (tree.py): the drafter's top `branches` tokens at
-    depth 1, each continued greedily to depth k. Returns (tokens [n], parents [n]) with node 0
-    the last token (the root): n = 1 + branches * k nodes, 1 + branches * (k - 1) drafter
-    passes."""
+    depth 1; the first continued greedily to depth k, the others to `side_depth` (default k).
+    Returns (tokens [n], parents [n]) with node 0 the last token (the root): with d = side_depth,
+    n = 1 + k + (branches - 1) * d nodes and k + (branches - 1) * (d - 1) drafter passes. A
+    drafter whose hits sit at the first position gains most from the runner-ups themselves:
+    side_depth=1 adds one node per runner-up and no drafter pass to the chain of k."""
+    d = k if side_depth is None else side_depth
+    if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= k:
+        raise ValueError(f"side_depth must be an integer in 1..k={k}, got {side_depth!r}")
     N = len(token_ids)
     start, feats = true_features(model, state, token_ids, features)
     reserve(drafter, state, N + k)
@@ -327,14 +333,14 @@ def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list,
     state.token_ids = list(token_ids)
     first = drafter.logits(model, g0[0], reduced)[0].topk(branches).indices.tolist()
     tokens, parents = [token_ids[-1]], [-1]
-    for t in first:
+    for i, t in enumerate(first):
         state.cache.seq_len = N - 1                            # each branch from the root
-        g, parent = g0, 0
-        for depth in range(k):
+        g, parent, depth_i = g0, 0, k if i == 0 else d
+        for depth in range(depth_i):
             tokens.append(t)
             parents.append(parent)
             parent = len(tokens) - 1
-            if depth + 1 < k:
+            if depth + 1 < depth_i:
                 g = drafter(model, g, torch.tensor([[t]], device=model.device), state.cache)
                 t = int(drafter.logits(model, g[0], reduced)[0].argmax())
     state.cache.seq_len = N - 1

@@ -97,11 +97,12 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
 @torch.inference_mode()
 def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
                   max_new_tokens: int = 32, branches: int = 2,
-                  stats: Optional[SpecStats] = None) -> list:
+                  stats: Optional[SpecStats] = None, side_depth: Optional[int] = None) -> list:
     """Greedy decoding with EAGLE TREE drafts (tree.py), batch 1: the drafter's top `branches`
-    first tokens, each continued to depth k, verified in ONE target forward with the tree mask
-    and per-node positions; the longest branch the target agrees with is kept (its K/V
-    compacted, the rest dropped). The same new token ids as plain greedy decoding."""
+    first tokens, the first continued to depth k and the others to `side_depth` (default k;
+    `eagle.draft_tree`), verified in ONE target forward with the tree mask and per-node
+    positions; the longest branch the target agrees with is kept (its K/V compacted, the rest
+    dropped). The same new token ids as plain greedy decoding."""
     from .eagle import draft_tree, new_state
     from .tree import accept_walk, compact, tree_forward
     stats = stats if stats is not None else SpecStats()
@@ -125,7 +126,8 @@ def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
         td = time.perf_counter()
         if kk > 0:
             nodes, parents = draft_tree(proposer.drafter, model, state, tokens, feats, kk,
-                                        branches, proposer.reduced)
+                                        branches, proposer.reduced,
+                                        None if side_depth is None else min(side_depth, kk))
         else:
             nodes, parents = [tokens[-1]], [-1]
         stats.draft_time += time.perf_counter() - td
