@@ -196,6 +196,18 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
     return rows
 
 
+def finish(args, load_before: float, rows: list, **fields) -> dict:
+    """The record (what ran, where, when, how loaded, the command), written to --out."""
+    record = {**fields, "model": "smollm2-135m", "dtype": "float32", "threads": args.threads,
+              "device": cpu_model(), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+              "load_before": load_before, "load_after": os.getloadavg()[0],
+              "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
@@ -218,19 +230,10 @@ def main(argv=None):
     if args.engine:
         rows = engine_rows(model, args.batch, args.context, args.steps, args.rounds,
                            args.check_tokens)
-        record = {"benchmark": "compile_engine", "model": "smollm2-135m", "dtype": "float32",
-                  "what": "decode steps in the engine, each layer's two halves torch.compile'd "
-                          "(default mode, static shapes), paged attention eager between them",
-                  "context": args.context, "threads": args.threads, "device": cpu_model(),
-                  "torch": torch.__version__,
-                  "date": datetime.datetime.now(datetime.timezone.utc)
-                  .strftime("%Y-%m-%dT%H:%MZ"),
-                  "load_before": load_before, "load_after": os.getloadavg()[0],
-                  "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-                  "rows": rows}
-        if args.out:
-            Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-        return record
+        return finish(args, load_before, rows, benchmark="compile_engine",
+                      what="decode steps in the engine, each layer's two halves torch.compile'd "
+                           "(default mode, static shapes), paged attention eager between them",
+                      context=args.context)
     C = model.config.hidden_size
     rows_out = []
     with torch.inference_mode():
@@ -249,16 +252,9 @@ def main(argv=None):
                 row[f"{name}_ms"] = round(1e3 * seconds(fn, x, h, args.repeats), 2)
             print(m, "rows:", {k: v for k, v in row.items() if k.endswith("_ms")})
             rows_out.append(row)
-    record = {"benchmark": "compile", "model": "smollm2-135m", "dtype": "float32",
-              "what": "o_proj + residual + RMSNorm + gate_up + SiLU*up + down + residual, "
-                      "30 layers, no attention",
-              "threads": args.threads, "device": cpu_model(), "torch": torch.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
-              "load_before": load_before, "load_after": os.getloadavg()[0],
-              "command": "python " + " ".join(shlex.quote(a) for a in sys.argv), "rows": rows_out}
-    if args.out:
-        Path(args.out).write_text(json.dumps(record, indent=1) + "\n")
-    return record
+    return finish(args, load_before, rows_out, benchmark="compile",
+                  what="o_proj + residual + RMSNorm + gate_up + SiLU*up + down + residual, "
+                       "30 layers, no attention")
 
 
 if __name__ == "__main__":
