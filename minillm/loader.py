@@ -22,7 +22,7 @@ import torch
 
 from . import configs
 from .configs import ModelConfig
-from .model import MergedColumnParallelLinear, Transformer
+from .model import MergedColumnParallelLinear, Transformer, tune_skinny
 
 BUNDLED = "smollm2-135m"
 _ALIASES = {"smollm2": BUNDLED, "smollm2-135m-instruct": BUNDLED}
@@ -356,12 +356,16 @@ def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: st
     quantization: None, or "int8" / "int4" weight-only round-to-nearest (chapter 09,
     `minillm.quant`; vLLM's argument name).
     """
-    if quantization is None:
-        return _load_model(name, weights, device, dtype, seed)
-    from .quant import check_quantization, quantize_model    # chapter 09, only when asked
-    check_quantization(quantization)
+    if quantization is not None:
+        from .quant import check_quantization                # chapter 09, only when asked
+        check_quantization(quantization)
     model, tok = _load_model(name, weights, device, dtype, seed)
-    return quantize_model(model, quantization), tok
+    if quantization is not None:
+        from .quant import quantize_model
+        model = quantize_model(model, quantization)
+    if model.device.type == "cpu":
+        tune_skinny(model)       # this machine's fastest one-row fp32 product, per weight shape
+    return model, tok
 
 
 def _load_model(name, weights: str, device, dtype, seed: int):

@@ -146,11 +146,14 @@ class Linear(nn.Linear):
       call; what torch.compile's CPU backend does for frozen weights): on the course's 2-core
       CPU faster than F.linear on almost every weight shape from 3 fp32 rows up (up to 7.6x)
       and on every bf16 shape up to 32 rows (up to 2.7x);
-    - for 1-2 fp32 rows computes (W @ x^T)^T instead, a single row sent in as two: a one-row
-      product (a matrix-vector product, either way round) read the weights at about a third of
-      the bandwidth a two-row product reaches, and this path beat the packed one there.
+    - for 1-2 fp32 rows takes whichever of three products `tune_skinny` measured fastest for
+      the weight's shape on this machine: F.linear, the packed product, or (W @ x^T)^T with a
+      single row sent in as two. The machines disagree: on the course's AMD CPU a one-row
+      F.linear read the weights at about a third of the bandwidth of the swapped two-row
+      product; on an Intel Xeon (whose BLAS, MKL, has a fast matrix-vector product there)
+      F.linear ran 2.5x faster than the swap. Layers never tuned take the swap.
 
-    benchmarks/bench_skinny_gemm.py measures the choice on a machine, with the weights coming
+    benchmarks/bench_skinny_gemm.py measures the choices on a machine, with the weights coming
     from memory as in a real step. The packed copy is made at the first call that needs it (an
     engine makes them all when it starts: `prepack`) and made again when the weight changes
     (another tensor, an in-place copy, another dtype); it doubles the memory of the weights it
@@ -159,8 +162,10 @@ class Linear(nn.Linear):
     takes F.linear. `SKINNY_ROWS = range(0)` and `PREPACK = False` switch the two paths off.
     """
 
-    SKINNY_ROWS = range(1, 3)                                # fp32 rows taking (W @ x^T)^T
+    SKINNY_ROWS = range(1, 3)                                # fp32 rows tune_skinny decides
     PREPACK = True                                           # CPU products on packed weights
+    skinny = "swap"                                          # this layer's 1-2 row product:
+                                                             # "swap" | "linear" | "packed"
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
         w = self.weight
@@ -168,7 +173,9 @@ class Linear(nn.Linear):
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, self.bias)                 # a GPU, or autograd records it
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if w.dtype == torch.float32 and rows in self.SKINNY_ROWS:
+        if w.dtype == torch.float32 and rows in self.SKINNY_ROWS and self.skinny != "packed":
+            if self.skinny == "linear":
+                return F.linear(x, w, self.bias)
             flat = x.reshape(rows, x.shape[-1])              # [M, K]
             if rows == 1:
                 flat = torch.cat((flat, flat))               # [2, K]: a GEMM, not a GEMV
@@ -215,6 +222,53 @@ def prepack(model) -> int:
                     and m.prepacked() is not None):
                 total += m.weight.numel() * m.weight.element_size()
     return total
+
+
+_SKINNY_CHOICE: dict = {}        # (weight shape, bias, threads) -> product, once per process
+
+
+def tune_skinny(model, repeats: int = 3, max_bytes: int = 256 << 20) -> dict:
+    """Time, for each fp32 weight shape of `model`'s CPU Linears, a one-row product through
+    F.linear, the packed weight and (W @ x^T)^T, and give every layer of that shape the fastest
+    (`Linear.skinny`). Each path runs over the layers of the shape in turn (up to `max_bytes`
+    of them), so the weights come from memory as in a step, `repeats` times, median kept. A
+    shape is timed once per process: later models reuse the choice (same rounding for every
+    model of a run). `load_model` calls it on a CPU. Returns {shape: (choice, {path: ms})}."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)
+              and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    out, groups = {}, {}
+    if 1 not in Linear.SKINNY_ROWS:
+        return out
+    for m in layers:
+        key = (tuple(m.weight.shape), m.bias is not None, torch.get_num_threads())
+        groups.setdefault(key, []).append(m)
+    for key, ms in groups.items():
+        if key not in _SKINNY_CHOICE:
+            _SKINNY_CHOICE[key] = _time_skinny(ms, repeats, max_bytes)
+        for m in ms:
+            m.skinny = _SKINNY_CHOICE[key][0]
+        out[key[0]] = _SKINNY_CHOICE[key]
+    return out
+
+
+def _time_skinny(layers, repeats: int, max_bytes: int) -> tuple:
+    import time
+    n = max(1, min(len(layers), max_bytes // max(1, layers[0].weight.nbytes)))
+    layers = layers[:n]
+    paths = ["swap", "linear"] + (["packed"] if Linear.PREPACK and layers[0].prepacked()
+                                  is not None else [])
+    x = torch.randn(1, layers[0].in_features)
+    times = {p: [] for p in paths}
+    with torch.no_grad():
+        for _ in range(repeats + 1):                         # the first round warms up
+            for p in paths:
+                t0 = time.perf_counter()
+                for m in layers:
+                    m.skinny = p
+                    m(x)
+                times[p].append(time.perf_counter() - t0)
+    ms = {p: round(1e3 * sorted(t[1:])[len(t[1:]) // 2], 3) for p, t in times.items()}
+    return min(ms, key=ms.get), ms
 
 
 def _prepack(w):

@@ -78,6 +78,62 @@ def test_linear_orientation_matches_f_linear(bias, lead):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("skinny", ["swap", "linear", "packed"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_one_row_product_matches_f_linear(skinny, bias):
+    torch.manual_seed(0)
+    layer = minillm.model.Linear(24, 40, bias=bias)
+    layer.skinny = skinny
+    for lead in [(1,), (2,), (1, 2), (2, 1)]:
+        x = torch.randn(*lead, 24)
+        with torch.no_grad():
+            out = layer(x)
+        assert out.shape == (*lead, 40) and out.is_contiguous()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, layer.weight, layer.bias),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def _tiny_model():
+    return minillm.load_model(configs.get("smollm2-135m").with_(
+        name="tiny", num_layers=3, hidden_size=64, intermediate_size=128, num_heads=4,
+        num_kv_heads=2, head_dim=16, vocab_size=300, tie_word_embeddings=False),
+        weights="random", device="cpu")[0]
+
+
+def test_tune_skinny_times_each_shape_once_and_gives_all_its_layers_the_winner(monkeypatch):
+    monkeypatch.setattr(minillm.model, "_SKINNY_CHOICE", {})
+    timed = []
+    fastest = {"linear": 1.0, "swap": 2.0, "packed": 3.0}
+
+    def fake(layers, repeats, max_bytes):
+        timed.append(tuple(layers[0].weight.shape))
+        return ("linear" if len(timed) % 2 else "packed"), fastest
+    monkeypatch.setattr(minillm.model, "_time_skinny", fake)
+    model = _tiny_model()                                   # load_model tunes on a CPU
+    by_shape = {}
+    for m in model.modules():
+        if isinstance(m, minillm.model.Linear):
+            by_shape.setdefault(tuple(m.weight.shape), set()).add(m.skinny)
+    assert sorted(timed) == sorted(by_shape) and len(timed) == 5   # qkv, o, gate_up, down, head
+    assert all(len(v) == 1 for v in by_shape.values())      # one choice per shape
+    assert {c for v in by_shape.values() for c in v} == {"linear", "packed"}
+    again = _tiny_model()                                    # the same process: no new timing
+    assert len(timed) == 5
+    assert ([m.skinny for m in again.modules() if isinstance(m, minillm.model.Linear)]
+            == [m.skinny for m in model.modules() if isinstance(m, minillm.model.Linear)])
+
+
+def test_tune_skinny_measures_the_three_products(monkeypatch):
+    monkeypatch.setattr(minillm.model, "_SKINNY_CHOICE", {})
+    choices = minillm.model.tune_skinny(_tiny_model())
+    assert len(choices) == 5
+    for choice, ms in choices.values():
+        assert set(ms) == {"swap", "linear", "packed"} and all(t > 0 for t in ms.values())
+        assert ms[choice] == min(ms.values())
+    monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
+    assert minillm.model.tune_skinny(_tiny_model()) == {}    # no one-row rule: nothing to time
+
+
 def test_linear_picks_its_cpu_product_by_rows_dtype_and_grad(monkeypatch):
     calls = []
     real_mm, real_packed = torch.mm, torch.ops.mkldnn._linear_pointwise
