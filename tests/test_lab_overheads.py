@@ -45,6 +45,21 @@ def test_the_skeleton_runs_the_same_ops_with_next_to_no_arithmetic():
     assert abs(ops[0] - ops[1]) <= 0.01 * ops[0]
 
 
+def test_same_products_gives_the_skeleton_the_real_models_one_row_choices():
+    from minillm.lab.profiling import same_products
+    from minillm.model import Linear
+    big = ModelConfig(name="wide", vocab_size=3000, hidden_size=256, intermediate_size=768,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64,
+                      max_position_embeddings=256, tie_word_embeddings=False)
+    real, skel = random_model(big, device="cpu"), random_model(skeleton_config(big), device="cpu")
+    names = [n for n, m in real.named_modules() if isinstance(m, Linear)]
+    for i, n in enumerate(names):                            # a different choice per layer
+        real.get_submodule(n).skinny = ("swap", "linear", "packed")[i % 3]
+    same_products(skel, real)
+    assert [skel.get_submodule(n).skinny for n in names] == [
+        real.get_submodule(n).skinny for n in names]
+
+
 def test_overlap_runs_the_same_work_in_both_schedules():
     seen = []
 
