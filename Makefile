@@ -99,9 +99,18 @@ train-eagle: $(STAMP)
 # optional (chapter 12, benchmarks/bench_engine.py --systems llama_cpp): llama-cpp-python built
 # from source with the native CPU flags (AVX-512, BF16, ...), ~15 min on 2 cores; make test never
 # needs it
+# On a CPU with AMX (Intel Sapphire Rapids and later) the native build's AMX path segfaulted on
+# the bundled Q4_1 file as soon as a prompt had a few tokens (2026-11-25, a 2-core Xeon VM; see
+# ggml-org/llama.cpp#20824, and #16315 on wrong Q4_0/Q4_1 results there): such a CPU gets
+# AVX-512 named flag by flag and AMX left out. --no-cache-dir: pip would otherwise reuse a wheel
+# built earlier with other flags (to rebuild one installed, `pip uninstall llama-cpp-python` first).
+LLAMA_CMAKE := $(if $(shell grep -qw amx_int8 /proc/cpuinfo 2>/dev/null && echo amx),\
+  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+  -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF,-DGGML_NATIVE=ON)
 llama-cpp: $(STAMP)
-	CMAKE_ARGS="-DGGML_NATIVE=ON" $(BIN)/pip install --no-binary llama-cpp-python \
-	  "llama-cpp-python>=0.3.36" "diskcache>=5.6"
+	CMAKE_ARGS="$(strip $(LLAMA_CMAKE))" $(BIN)/pip install --no-cache-dir \
+	  --no-binary llama-cpp-python "llama-cpp-python>=0.3.36" "diskcache>=5.6"
 
 clean-venv:
 	rm -rf $(VENV)
