@@ -255,6 +255,7 @@ def _time_skinny(layers, repeats: int, max_bytes: int) -> tuple:
     import time
     n = max(1, min(len(layers), max_bytes // max(1, layers[0].weight.nbytes)))
     layers = layers[:n]
+    packed_before = ["_packed" in m.__dict__ for m in layers]
     paths = ["swap", "linear"] + (["packed"] if Linear.PREPACK and layers[0].prepacked()
                                   is not None else [])
     x = torch.randn(1, layers[0].in_features)
@@ -268,7 +269,13 @@ def _time_skinny(layers, repeats: int, max_bytes: int) -> tuple:
                     m(x)
                 times[p].append(time.perf_counter() - t0)
     ms = {p: round(1e3 * sorted(t[1:])[len(t[1:]) // 2], 3) for p, t in times.items()}
-    return min(ms, key=ms.get), ms
+    best = min(ms, key=ms.get)
+    if best != "packed":                 # timing packed copies that lost: drop them (an engine
+        for m, had in zip(layers, packed_before):     # makes the ones it needs, `prepack`)
+            if not had:
+                m.__dict__.pop("_packed", None)
+                m.__dict__.pop("_packed_key", None)
+    return best, ms
 
 
 def _prepack(w):

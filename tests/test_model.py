@@ -125,11 +125,15 @@ def test_tune_skinny_times_each_shape_once_and_gives_all_its_layers_the_winner(m
 
 def test_tune_skinny_measures_the_three_products(monkeypatch):
     monkeypatch.setattr(minillm.model, "_SKINNY_CHOICE", {})
-    choices = minillm.model.tune_skinny(_tiny_model())
+    model = _tiny_model()                                   # tuned (timed) as it loads
+    choices = minillm.model.tune_skinny(model)
     assert len(choices) == 5
     for choice, ms in choices.values():
         assert set(ms) == {"swap", "linear", "packed"} and all(t > 0 for t in ms.values())
         assert ms[choice] == min(ms.values())
+    for m in model.modules():             # timing left no packed copy behind where it lost
+        if isinstance(m, minillm.model.Linear) and m.skinny != "packed":
+            assert "_packed" not in m.__dict__
     monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
     assert minillm.model.tune_skinny(_tiny_model()) == {}    # no one-row rule: nothing to time
 
