@@ -78,6 +78,21 @@ def test_int8_kernel_matches_twin(rows, bias):
     assert (ref - lin(x)).abs().max() < 0.05 * lin(x).abs().max()       # and near the fp32 layer
 
 
+def test_int8_kernel_dequantizes_once_from_dequant_rows(monkeypatch):
+    calls = []
+    real = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm",
+                        lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    ql = Int8Linear(torch.nn.Linear(64, 32, bias=False))
+    rows = (1, ql.DEQUANT_ROWS - 1, ql.DEQUANT_ROWS, 100)
+    with torch.no_grad():
+        for m in rows:
+            x = torch.randn(m, 64)
+            torch.testing.assert_close(ql(x), int8_linear_ref(x, ql.qweight, ql.scale),
+                                       atol=3e-2, rtol=2e-2)
+    assert calls == [1, ql.DEQUANT_ROWS - 1]                 # the packed kernel below only
+
+
 @pytest.mark.parametrize("rows", [1, 4, 33])
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_int4_kernel_matches_twin(rows, group_size):
