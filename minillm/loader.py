@@ -357,11 +357,10 @@ def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: st
     `minillm.quant`; vLLM's argument name).
     """
     if quantization is not None:
-        from .quant import check_quantization                # chapter 09, only when asked
-        check_quantization(quantization)
+        from .quant import check_quantization, quantize_model    # chapter 09, only when asked
+        check_quantization(quantization)                         # before any weight is read
     model, tok = _load_model(name, weights, device, dtype, seed)
     if quantization is not None:
-        from .quant import quantize_model
         model = quantize_model(model, quantization)
     if model.device.type == "cpu":
         tune_skinny(model)       # this machine's fastest one-row fp32 product, per weight shape

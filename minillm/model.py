@@ -150,8 +150,8 @@ class Linear(nn.Linear):
       the weight's shape on this machine: F.linear, the packed product, or (W @ x^T)^T with a
       single row sent in as two. The machines disagree: on the course's AMD CPU a one-row
       F.linear read the weights at about a third of the bandwidth of the swapped two-row
-      product; on an Intel Xeon (whose BLAS, MKL, has a fast matrix-vector product there)
-      F.linear ran 2.5x faster than the swap. Layers never tuned take the swap.
+      product; on an Intel Xeon with AMX the one-row F.linear ran 2-3x faster than the swap.
+      Layers never tuned take the swap.
 
     benchmarks/bench_skinny_gemm.py measures the choices on a machine, with the weights coming
     from memory as in a real step. The packed copy is made at the first call that needs it (an
