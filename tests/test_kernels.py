@@ -564,8 +564,8 @@ def test_batched_reads_consecutive_blocks_as_a_view_and_stops_at_seq_len(q_len):
     gather); the NaN rows right after its last key must stay unread."""
     n, block_size = 13, 4
     k_cache, v_cache, tables, seq_lens = _consecutive_pool(n, block_size)
-    q = torch.randn(q_len, KV_HEADS * 3, HEAD_DIM)
-    cu = torch.tensor([0, q_len], dtype=torch.int32)
+    q = torch.randn(q_len, KV_HEADS * 3, HEAD_DIM, device=DEVICE)
+    cu = torch.tensor([0, q_len], dtype=torch.int32, device=DEVICE)
     plan = batched.plan_prefill(cu, seq_lens, tables, block_size)
     assert isinstance(plan.groups[0].keys, slice)
     args = (q, k_cache, v_cache, cu, seq_lens, tables, HEAD_DIM ** -0.5)
@@ -576,8 +576,8 @@ def test_batched_reads_consecutive_blocks_as_a_view_and_stops_at_seq_len(q_len):
 def test_batched_store_kv_skips_negative_slots_like_the_reference():
     k_cache, v_cache, _, _, _, _ = paged_kv([6], 4)
     k2, v2 = k_cache.clone(), v_cache.clone()
-    k, v = torch.randn(4, KV_HEADS, HEAD_DIM), torch.randn(4, KV_HEADS, HEAD_DIM)
-    slots = torch.tensor([5, -1, 0, 9])
+    k, v = (torch.randn(4, KV_HEADS, HEAD_DIM, device=DEVICE) for _ in range(2))
+    slots = torch.tensor([5, -1, 0, 9], device=DEVICE)
     plan = batched.plan_store(batched.Plan([]), slots)
     batched.store_kv(plan, k, v, k_cache, v_cache)
     reference.store_kv(k, v, k2, v2, slots)

@@ -26,7 +26,7 @@ from minillm.kernels import batched, kv_quant, reference
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine_modes import make_workload, run_engine, tiny_model  # noqa: E402
-from test_kernels import lengths_for, paged_kv, prefill_batch  # noqa: E402
+from test_kernels import DEVICE, lengths_for, paged_kv, prefill_batch  # noqa: E402
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 KVH, D = 2, 32
@@ -40,12 +40,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_store_kv_fp8_bytes_equal_torch_rounding(impl, fp8, k_dtype):
     g = torch.Generator().manual_seed(0)
     num_blocks, bs = 5, 4
-    slots = torch.tensor([3, 17, -1, 0, 9, 19])
-    k = (torch.randn(len(slots), KVH, D, generator=g) * 30).to(k_dtype)
-    v = (torch.randn(len(slots), KVH, D, generator=g) * 30).to(k_dtype)
+    slots = torch.tensor([3, 17, -1, 0, 9, 19], device=DEVICE)      # paged_kv's device
+    k = (torch.randn(len(slots), KVH, D, generator=g) * 30).to(DEVICE, k_dtype)
+    v = (torch.randn(len(slots), KVH, D, generator=g) * 30).to(DEVICE, k_dtype)
     k[0, 0, 0], v[1, 1, 1] = 1e6, -1e6                     # far past the format's largest value
     k_scale, v_scale = 0.25, 2.0
-    kc = torch.zeros(num_blocks, bs, KVH, D, dtype=fp8)
+    kc = torch.zeros(num_blocks, bs, KVH, D, dtype=fp8, device=DEVICE)
     vc = torch.zeros_like(kc)
     if impl == "torch":
         plan = batched.plan_store(batched.Plan([]), slots)
@@ -62,7 +62,7 @@ def test_store_kv_fp8_bytes_equal_torch_rounding(impl, fp8, k_dtype):
         assert torch.equal(kc[blk, off].view(torch.uint8), want_k.view(torch.uint8))
         assert torch.equal(vc[blk, off].view(torch.uint8), want_v.view(torch.uint8))
     assert kc.float().abs().max() == m and vc.float().abs().max() == m   # saturated, not NaN
-    written = torch.zeros(num_blocks * bs, dtype=torch.bool)
+    written = torch.zeros(num_blocks * bs, dtype=torch.bool, device=DEVICE)
     written[slots[slots >= 0]] = True
     assert not kc.view(-1, KVH, D)[~written].float().any()           # nothing else touched
 
@@ -88,7 +88,7 @@ def test_paged_decode_over_fp8_equals_fp32_over_dequantized(impl, split, q_dtype
     bs, group = 16, 3
     lens = lengths_for(bs) + ([133] if split else [])
     kq, vq, kf, vf, tables, seq_lens, scales = fp8_pool(lens, bs)
-    q = torch.randn(len(lens), KVH * group, D).to(q_dtype)
+    q = torch.randn(len(lens), KVH * group, D, device=DEVICE).to(q_dtype)
     want = reference.paged_decode_attention(q.float(), kf, vf, tables, seq_lens, D ** -0.5)
     kw = dict(split_kv=split, partition_size=64 if split else None) if impl == "triton" else {}
     out = K.paged_decode_attention(q, kq, vq, tables, seq_lens, D ** -0.5, impl=impl,
@@ -104,8 +104,9 @@ def test_paged_prefill_over_fp8_equals_fp32_over_dequantized(impl, q_dtype):
     pairs = prefill_batch(bs)
     kq, vq, kf, vf, tables, seq_lens, scales = fp8_pool([s for _, s in pairs], bs, fp8=E5M2)
     q_lens = [ql for ql, _ in pairs]
-    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    q = torch.randn(sum(q_lens), KVH * group, D).to(q_dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEVICE)
+    q = torch.randn(sum(q_lens), KVH * group, D, device=DEVICE).to(q_dtype)
     want = reference.paged_prefill_attention(q.float(), kf, vf, cu, seq_lens, tables, D ** -0.5)
     out = K.paged_prefill_attention(q, kq, vq, cu, seq_lens, tables, D ** -0.5, impl=impl,
                                     **scales)
@@ -122,7 +123,7 @@ def test_fp8_error_is_bounded_and_nonzero():
     assert 0 < rel.max() <= 2 ** -4
     lens = lengths_for(16)
     k_cache, v_cache, tables, seq_lens, _, _ = paged_kv(lens, 16)
-    q = torch.randn(len(lens), KVH, D)
+    q = torch.randn(len(lens), KVH, D, device=DEVICE)
     exact = reference.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, D ** -0.5)
     fp8 = reference.paged_decode_attention(q, kv_quant.quantize(k_cache, E4M3),
                                            kv_quant.quantize(v_cache, E4M3), tables, seq_lens,

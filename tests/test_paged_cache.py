@@ -199,11 +199,14 @@ def test_swap_out_and_back_into_other_blocks(model):
 
 
 @torch.no_grad()
-def test_triton_kernels_under_the_interpreter(model):
+def test_triton_kernels_under_the_interpreter():
     """The same check through the Triton kernels (interpreted on CPU; compiled on a GPU)."""
-    ids = ids_of(2, 6, seed=9)
-    ref = ContiguousKVCache(TINY, batch_size=2, max_len=8)
-    paged = SimplePagedKVCache(TINY, num_blocks=4, block_size=4, batch_size=2, impl="triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_model(TINY, device=dev, dtype=torch.float32, std=0.2)
+    ids = ids_of(2, 6, seed=9).to(dev)
+    ref = ContiguousKVCache(TINY, batch_size=2, max_len=8, device=dev)
+    paged = SimplePagedKVCache(TINY, num_blocks=4, block_size=4, batch_size=2, impl="triton",
+                               device=dev)
     a, b = model(ids, cache=ref), model(ids, cache=paged)
     assert max_diff(a, b) <= TOL
     for _ in range(2):
