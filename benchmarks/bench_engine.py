@@ -50,8 +50,9 @@ from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: 
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear",
-           "minillm_bf16", "minillm_int4", "llama_cpp")
-DEFAULT_SYSTEMS = SYSTEMS[:5]   # the last three are asked for by name (bf16 CPU, llama.cpp built)
+           "minillm_bf16", "minillm_int4", "llama_cpp", "minillm_graphs")
+DEFAULT_SYSTEMS = SYSTEMS[:5]   # the others are asked for by name (bf16 CPU, llama.cpp built,
+                                # minillm_graphs: enforce_eager=False, CUDA graphs on a GPU)
 DEFAULTS = {   # device -> workload and engine limits
     "cpu": dict(models=["smollm2-135m"], weights="pretrained", num_requests=16, min_len=32,
                 max_len=128, max_num_seqs=4, max_num_batched_tokens=512),
@@ -179,9 +180,10 @@ def run_hf_continuous(hf, prompts, outputs, args):
     return [done[f"r{i}"] for i in range(len(prompts))], {}
 
 
-def run_minillm(mini, prompts, outputs, args, scheduling="continuous"):
+def run_minillm(mini, prompts, outputs, args, scheduling="continuous", enforce_eager=True):
     llm = minillm.LLM((mini, None), max_num_seqs=args.max_num_seqs,
-                      max_num_batched_tokens=args.max_num_batched_tokens, scheduling=scheduling)
+                      max_num_batched_tokens=args.max_num_batched_tokens, scheduling=scheduling,
+                      enforce_eager=enforce_eager)
     params = [SamplingParams(temperature=0.0, max_tokens=o, ignore_eos=True) for o in outputs]
     outs = llm.generate(prompts, params, use_tqdm=False)
     eng = llm.engine
@@ -266,6 +268,7 @@ RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
            "hf_continuous": lambda m, h, p, o, a: run_hf_continuous(h, p, o, a),
            "minillm": lambda m, h, p, o, a: run_minillm(m, p, o, a),
            "minillm_static": lambda m, h, p, o, a: run_minillm(m, p, o, a, "static"),
+           "minillm_graphs": lambda m, h, p, o, a: run_minillm(m, p, o, a, enforce_eager=False),
            "minillm_nn_linear": lambda m, h, p, o, a: run_minillm_nn_linear(m, p, o, a),
            "minillm_bf16": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a),
            "minillm_int4": lambda m, h, p, o, a: run_minillm_int4(m, p, o, a),
@@ -373,13 +376,18 @@ def main(argv=None):
         if args.device == "cuda":
             torch.cuda.empty_cache()
     record["load_after"] = _loadavg()
-    by_system = {r["system"]: r for r in record["rows"] if "output_tokens_per_s" in r}
-    if "minillm" in by_system:                 # the headline ratios, from the same run
-        base = by_system["minillm"]["output_tokens_per_s"]
-        record["minillm_speedup_vs"] = {s: base / r["output_tokens_per_s"]
-                                        for s, r in by_system.items() if s != "minillm"}
-        print("minillm continuous vs " + ", ".join(
-            f"{s}: {x:.2f}x" for s, x in record["minillm_speedup_vs"].items()))
+    for name in args.models:                        # the headline ratios, per model, same run
+        by_system = {r["system"]: r for r in record["rows"]
+                     if r["model"] == name and "output_tokens_per_s" in r}
+        if "minillm" in by_system:
+            base = by_system["minillm"]["output_tokens_per_s"]
+            ratios = {s: base / r["output_tokens_per_s"]
+                      for s, r in by_system.items() if s != "minillm"}
+            record.setdefault("minillm_speedup_vs_by_model", {})[name] = ratios
+            if name == args.models[-1]:             # the old key: the last model's
+                record["minillm_speedup_vs"] = ratios
+            print(f"{name}: minillm continuous vs " + ", ".join(
+                f"{s}: {x:.2f}x" for s, x in ratios.items()))
     if "llama_cpp" in by_system:               # every system against llama.cpp's one stream
         base = by_system["llama_cpp"]["output_tokens_per_s"]
         record["ratio_to_llama_cpp"] = {s: r["output_tokens_per_s"] / base
