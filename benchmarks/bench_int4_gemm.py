@@ -49,21 +49,32 @@ def shapes(cfg) -> dict:
 
 
 def gpu_seconds(fn, repeats: int) -> float:
-    """Median of `repeats` timings of fn() with CUDA events (after two warm-up calls)."""
-    fn()
-    fn()
+    """Median of `repeats` timings (CUDA events) of ONE replay of a CUDA graph that recorded
+    fn(): the GPU's time for the launches in fn, not Python's. (Timing fn() itself measured the
+    host: a Triton launch costs tens of microseconds of Python, longer than a small kernel
+    runs, and the first recorded run of this benchmark reported that instead of the kernels.)"""
+    fn()                                     # compile, settle the allocator
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        graph.replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
 
 
-def time_shape(n, k, rows, copies, group_size, repeats, int4_gemm):
+def time_shape(n, k, rows, copies, group_size, repeats, int4_gemm, config=None):
     w = torch.randn(n, k, device="cuda") * 0.02                            # [N, K]
     q, scale, zero = quantize_int4(w, group_size)
     packed = pack_int4(q)                                                  # [N, K/2]
@@ -79,8 +90,8 @@ def time_shape(n, k, rows, copies, group_size, repeats, int4_gemm):
     for m in rows:
         xm = x[:m].contiguous()
         t_bf16 = gpu_seconds(lambda: [F.linear(xm, wb) for wb in bf16], repeats) / copies
-        t_int4 = gpu_seconds(lambda: [int4_gemm(xm, p, s, z, group_size) for p, s, z in int4],
-                             repeats) / copies
+        t_int4 = gpu_seconds(lambda: [int4_gemm(xm, p, s, z, group_size, **(config or {}))
+                                      for p, s, z in int4], repeats) / copies
         bytes_bf16 = bf16[0].nbytes
         bytes_int4 = sum(t.nbytes for t in int4[0])
         results.append(dict(rows=m, us_bf16=t_bf16 * 1e6, us_int4=t_int4 * 1e6,
@@ -98,6 +109,9 @@ def main(argv=None):
     p.add_argument("--copies", type=int, default=None, help="default: the model's layer count")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    p.add_argument("--sweep", action="store_true",
+                   help="time every kernel configuration (block_n, num_warps, num_stages, "
+                        "split-K on or off) at the first of --rows; rows per configuration")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_int4_gemm times a GPU kernel and needs a CUDA GPU (torch "
@@ -118,12 +132,42 @@ def main(argv=None):
                   python=platform.python_version(), load_before=os.getloadavg()[0], rows=[])
     print(f"{record['device_name']}, {args.model}, group {args.group_size}, {copies} copies; "
           "us per call (bf16 F.linear | int4 kernel), bf16 time / int4 time")
+    if args.sweep:
+        return sweep(args, cfg, copies, record, int4_gemm)
     for name, (n, k) in shapes(cfg).items():
         for r in time_shape(n, k, args.rows, copies, args.group_size, args.repeats, int4_gemm):
             record["rows"].append(dict(shape=name, N=n, K=k, **r))
             print(f"{name:>13} {n:>6}x{k:<6} M={r['rows']:<3} {r['us_bf16']:8.1f} | "
                   f"{r['us_int4']:8.1f} us  {r['gbps_bf16']:6.0f} | {r['gbps_int4']:6.0f} GB/s"
                   f"  x{r['speedup']:.2f}")
+    return save(args, record)
+
+
+def sweep(args, cfg, copies, record, int4_gemm):
+    """Every configuration on every shape at M = rows[0]: the sum of int4 times over the
+    shapes (one layer's products) per configuration, fastest first."""
+    import itertools
+    m = args.rows[0]
+    configs_tried = [dict(block_n=bn, num_warps=w, num_stages=st, split_k=sk)
+                     for bn, w, st, sk in itertools.product((32, 64, 128), (4, 8), (2, 3, 4),
+                                                            (None, 1))]
+    totals = []
+    for c in configs_tried:
+        total_int4 = total_bf16 = 0.0
+        for name, (n, k) in shapes(cfg).items():
+            r = time_shape(n, k, [m], copies, args.group_size, args.repeats, int4_gemm, c)[0]
+            total_int4, total_bf16 = total_int4 + r["us_int4"], total_bf16 + r["us_bf16"]
+            record["rows"].append(dict(shape=name, N=n, K=k, config=c, **r))
+        totals.append(dict(config=c, rows=m, us_int4_layer=total_int4,
+                           us_bf16_layer=total_bf16, speedup=total_bf16 / total_int4))
+        print(f"{c}  M={m}: int4 {total_int4:7.1f} us per layer, bf16 {total_bf16:7.1f}, "
+              f"x{total_bf16 / total_int4:.2f}", flush=True)
+    record["sweep"] = sorted(totals, key=lambda t: t["us_int4_layer"])
+    print("fastest:", record["sweep"][0])
+    return save(args, record)
+
+
+def save(args, record):
     record["load_after"] = os.getloadavg()[0]
     gpu = record["device_name"].replace("NVIDIA ", "").replace(" ", "-").lower()
     out = Path(args.out) if args.out else (

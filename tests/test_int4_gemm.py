@@ -198,3 +198,40 @@ def test_benchmark_refuses_without_a_gpu():
     assert bench.shapes(configs.get("smollm2-135m")) == {
         "qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576),
         "down_proj": (576, 1536)}
+
+
+@pytest.mark.parametrize("split_k", [1, 2, 3, 6])
+def test_split_k_partials_add_up_to_the_twin(split_k):
+    """K cut into split_k slices (fp32 partials, then one sum) gives the twin's product; a split
+    that does not divide the K-tiles is refused."""
+    N, K, g = 40, 6 * 32, 32                                           # 6 K-tiles of 32
+    q, scale, zero = quantized(N, K, g, seed=split_k)
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out = int4_gemm(x, pack_int4(q), scale, zero, g, split_k=split_k)
+    torch.testing.assert_close(out, int4_linear_ref(x, q, scale, zero), atol=1e-4, rtol=1e-5)
+    with pytest.raises(ValueError, match="split_k=4 must divide the 6 K-tiles"):
+        int4_gemm(x, pack_int4(q), scale, zero, g, split_k=4)
+
+
+def test_split_k_aims_at_two_programs_per_sm():
+    from minillm.kernels.int4_gemm import split_k_for
+    assert split_k_for(tiles=32, k_tiles=32, sms=132) == 8           # want 9: largest divisor 8
+    assert split_k_for(tiles=512, k_tiles=32, sms=132) == 1          # enough tiles already
+    assert split_k_for(tiles=1, k_tiles=9, sms=132) == 9             # capped by the K-tiles
+
+
+def test_override_applies_to_every_call_and_an_argument_wins(monkeypatch):
+    from minillm.kernels import int4_gemm as k
+    N, K, g = 40, 4 * 32, 32
+    q, scale, zero = quantized(N, K, g, seed=5)
+    x = torch.randn(2, K, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    want = int4_linear_ref(x, q, scale, zero)
+    splits = []
+    real = k.launch
+    monkeypatch.setattr(k, "launch", lambda *a, **kw: (splits.append(a[6]), real(*a, **kw))[1])
+    monkeypatch.setattr(k, "OVERRIDE", {"split_k": 2, "block_n": 32})
+    torch.testing.assert_close(int4_gemm(x, pack_int4(q), scale, zero, g), want,
+                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(int4_gemm(x, pack_int4(q), scale, zero, g, split_k=4), want,
+                               atol=1e-4, rtol=1e-5)
+    assert splits == [2, 4]

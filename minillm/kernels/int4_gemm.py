@@ -18,22 +18,40 @@ The storage is the package's own (minillm/quant/rtn.py), no reshuffling:
     scales  [N, K/g] fp32    one per group of g input columns
     zeros   [N, K/g] fp32    integer zero points 0..15:   W[n, k] ~ (q[n, k] - zero) * scale
 
-The tiling. Program (i, j) owns the output tile y[i*BM : (i+1)*BM, j*BN : (j+1)*BN] and walks K
-in tiles of BK columns. BK is the group size or a power-of-two divisor of it (at most 64, so the
-expanded tile fits in registers), so a whole tile lies inside one group: one scale and one zero
-point per output column per step.
+The tiling. Program (i, j, s) owns the output tile y[i*BM : (i+1)*BM, j*BN : (j+1)*BN] over
+the s-th of SPLIT_K equal slices of K, and walks its slice in tiles of BK columns. BK is the
+group size or a power-of-two divisor of it (at most 64, so the expanded tiles fit in registers),
+so a whole tile lies inside one group: one scale and one zero point per output column per step.
 
-    for each K-tile ks (group = ks.start // g):
-        x_tile   = x[rows, ks]                       [BM, BK]  activation dtype
-        bytes    = qweight[cols, ks // 2]            [BK, BN]  each byte serves 2 columns
-        q        = (bytes >> 4 * (k % 2)) & 0xF      [BK, BN]  the nibble of column k
-        w        = (q - zero[cols, group])
-                   * scale[cols, group]              [BK, BN]  fp32, then the activation dtype
-        acc     += x_tile @ w                        [BM, BN]  fp32 accumulator (tensor cores)
-    y[rows, cols] = acc                              written in the activation dtype
+    for each K-tile ks of this program's slice (group = ks.start // g):
+        bytes    = qweight[cols, ks.start/2 : ks.stop/2]   [BN, BK/2]  contiguous along K
+        lo, hi   = bytes & 0xF, bytes >> 4                 [BN, BK/2]  columns 2j and 2j + 1
+        w_lo     = (lo - zero[cols, group]) * scale[cols, group]      fp32, then activation dtype
+        w_hi     = (hi - zero[cols, group]) * scale[cols, group]
+        acc     += x[rows, even columns of ks] @ w_lo^T    [BM, BN]  fp32 accumulator
+                 + x[rows, odd columns of ks]  @ w_hi^T               (tensor cores)
+    y[rows, cols] = acc   (SPLIT_K = 1: in the activation dtype; else fp32 partials, summed after)
 
-tl.dot needs at least 16 rows, so a decode tile pads M = 1 to 16 rows of zeros: the padding
+Two choices decide the speed on a GPU, both measured on an H100 (benchmarks/README.md):
+  * each program reads its weight tile row by row, BK/2 consecutive bytes per output column,
+    and splits every byte into its two nibbles once. (The first version of this kernel loaded a
+    [BK, BN] tile whose neighbouring elements lay K/2 bytes apart, and loaded each byte twice,
+    once per nibble: scattered reads that left most of each memory transaction unused.)
+  * split-K: a decode product on a 2048 x 2048 layer has only N / BN = 32 column tiles, too few
+    programs to keep 132 SMs streaming. `launch` cuts K into SPLIT_K slices so that there are
+    about two programs per SM; each slice writes an fp32 partial [M, N] and one `sum` adds them
+    (deterministic, unlike atomic adds, so a CUDA graph and the eager step give the same bits).
+
+tl.dot needs at least 16 rows, so a tile of 2 to 16 rows is padded to 16 with zeros: the padding
 costs tensor-core cycles that are idle anyway, never memory traffic (masked loads read nothing).
+One row (batch-1 decode) skips the tensor cores: BLOCK_M = 1 multiplies the fp32 weights by the
+row and sums along K, which avoids moving the weight tile into the tensor-core operand layout.
+
+Measured (H100, 2026-11-25, benchmarks/README.md): the first version of this kernel ran the
+Llama-3.2-1B engine at batch 1 at 5.1 ms per step against bf16's 2.2 ms; this one at 2.5-2.7
+ms. It still reads its int4 bytes at 0.3-0.7 TB/s where cuBLAS streams bf16 at 1.3-2.6, so it
+stays slower than bf16 (0.58-0.88x per product at one row): quantization pays on a GPU only
+with a kernel that keeps the memory system as busy as a bf16 GEMM does (Marlin-class).
 
 What a production kernel adds (Marlin in vLLM, torchao's tinygemm, and the kernels behind
 GPTQ/AWQ checkpoints), none of it here:
@@ -42,10 +60,8 @@ GPTQ/AWQ checkpoints), none of it here:
     with a few bit tricks (or a lookup) instead of shifts, subtractions and multiplies;
   * fp16/bf16 scales and zeros (here fp32: 8 bytes per group, 25% on top of the nibbles at
     g = 64), often with the zero folded in as scale * zero so the inner loop is one FMA;
-  * split-K: a decode GEMM on a 576 x 576 layer has only N / BN tiles, fewer than the GPU's
-    132 SMs, so production kernels also split K across programs and add the partial sums;
-  * asynchronous copies (cp.async / TMA) in a multi-stage pipeline so that the next group's
-    bytes arrive while this group is multiplied, and autotuned tile sizes per shape and GPU.
+  * split-K reduced in the same kernel (a semaphore or a "stream-K" schedule) instead of a
+    second one, and autotuned tile sizes per shape and GPU.
 
 The plain-PyTorch twin is `minillm.quant.linear.int4_linear_ref` (dequantize, then multiply);
 tests/test_int4_gemm.py runs this kernel under TRITON_INTERPRET=1 against it.
@@ -69,12 +85,12 @@ def _int4_gemm_kernel(
     x_ptr,                          # [M, K] activations (fp32 / bf16 / fp16)
     qweight_ptr,                    # [N, K/2] uint8: two 4-bit values per byte
     scales_ptr, zeros_ptr,          # [N, K/g] fp32: per-group scale and zero point
-    out_ptr,                        # [M, N] output, the activations' dtype
-    M, N, K,
+    out_ptr,                        # [M, N] output (activations' dtype), or [SPLIT_K, M, N] fp32
+    M, N, K_PER_SPLIT,              # K_PER_SPLIT: the K-slice of one program, a multiple of BK
     stride_xm, stride_xk,
     stride_qn, stride_qk,
     stride_sn, stride_sg,           # scales and zeros share strides (both contiguous [N, K/g])
-    stride_om, stride_on,
+    stride_os, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr,       # g: columns that share one scale / zero point
     BLOCK_K: tl.constexpr,          # the K-tile: g or a power-of-two divisor of it
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -82,29 +98,38 @@ def _int4_gemm_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)            # [BM]
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)            # [BN]
-    ks = tl.arange(0, BLOCK_K)                                # [BK]
+    half = tl.arange(0, BLOCK_K // 2)                         # [BK/2] byte j holds columns 2j, 2j+1
     row_ok = rows < M
     col_ok = cols < N
-    shift = (ks % 2) * 4                                      # [BK] low nibble for even k
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for tile in range(0, K // BLOCK_K):
-        k = tile * BLOCK_K + ks                               # [BK] this tile's input columns
-        group = (tile * BLOCK_K) // GROUP_SIZE                # one group holds the whole tile
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
-                    mask=row_ok[:, None], other=0.0)          # [BM, BK]
-        packed = tl.load(qweight_ptr + cols[None, :] * stride_qn + (k[:, None] // 2) * stride_qk,
-                         mask=col_ok[None, :], other=0)       # [BK, BN] uint8
-        q = (packed.to(tl.int32) >> shift[:, None]) & 0xF     # [BK, BN] 0..15
+    for tile in range(0, K_PER_SPLIT // BLOCK_K):
+        k0 = pid_s * K_PER_SPLIT + tile * BLOCK_K             # this tile's first input column
+        group = k0 // GROUP_SIZE                              # one group holds the whole tile
+        packed = tl.load(qweight_ptr + cols[:, None] * stride_qn
+                         + (k0 // 2 + half)[None, :] * stride_qk,
+                         mask=col_ok[:, None], other=0).to(tl.int32)     # [BN, BK/2]
         scale = tl.load(scales_ptr + cols * stride_sn + group * stride_sg,
-                        mask=col_ok, other=0.0)               # [BN]
+                        mask=col_ok, other=0.0)[:, None]                  # [BN, 1]
         zero = tl.load(zeros_ptr + cols * stride_sn + group * stride_sg,
-                       mask=col_ok, other=0.0)                # [BN]
-        w = (q.to(tl.float32) - zero[None, :]) * scale[None, :]          # [BK, BN] fp32
-        acc += dot(x, w.to(x.dtype), DOT_PRECISION, UPCAST)             # [BM, BN]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :] * stride_on,
+                       mask=col_ok, other=0.0)[:, None]                   # [BN, 1]
+        x_even = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + 2 * half)[None, :] * stride_xk,
+                         mask=row_ok[:, None], other=0.0)                 # [BM, BK/2]
+        x_odd = tl.load(x_ptr + rows[:, None] * stride_xm
+                        + (k0 + 2 * half + 1)[None, :] * stride_xk,
+                        mask=row_ok[:, None], other=0.0)                  # [BM, BK/2]
+        w_lo = ((packed & 0xF).to(tl.float32) - zero) * scale             # [BN, BK/2] fp32
+        w_hi = ((packed >> 4).to(tl.float32) - zero) * scale
+        if BLOCK_M == 1:            # one row (batch-1 decode): multiply and add, no tensor core
+            acc += tl.sum(w_lo * x_even.to(tl.float32) + w_hi * x_odd.to(tl.float32),
+                          axis=1)[None, :]                                # [1, BN]
+        else:
+            acc += dot(x_even, tl.trans(w_lo.to(x_even.dtype)), DOT_PRECISION, UPCAST)  # [BM, BN]
+            acc += dot(x_odd, tl.trans(w_hi.to(x_odd.dtype)), DOT_PRECISION, UPCAST)
+    tl.store(out_ptr + pid_s * stride_os + rows[:, None] * stride_om + cols[None, :] * stride_on,
              acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
@@ -146,33 +171,89 @@ def block_sizes(M: int, group_size: int, dtype: torch.dtype) -> tuple[int, int, 
     """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows (tl.dot's minimum) for decode batches, more for
     prefill; a K-tile of at most 64 columns; smaller tiles for fp32 activations. Each choice
     keeps the tiles in registers (no spills: tests/test_int4_gemm.py compiles them for sm_90)."""
+    if M == 1:                                   # one row: a dot product per column, in fp32
+        return 1, 128, min(group_size, 64)       # (128 x 8 warps: the H100 sweep's fastest)
     if dtype == torch.float32:                   # exact fp32 products: no tensor cores, small tiles
         return (16 if M <= 16 else 32), 32, min(group_size, 32)
     block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    return block_m, 32 if M <= 16 else 64, min(group_size, 64)
+    return block_m, 64, min(group_size, 64)
 
 
-def launch(x, qweight, scales, zeros, out, group_size: int):
-    """(grid, positional args, keyword args) of the kernel launch (compile_check uses it too)."""
+SM_COUNT = {}                       # device index -> multiprocessors (asked once)
+OVERRIDE = {}                       # a benchmark's choice of block_n / num_warps / num_stages /
+                                    # split_k for every call (empty: the defaults here)
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 132 (an H100) elsewhere, so the interpreter and
+    ahead-of-time compiles see the split an H100 would get."""
+    if device.type != "cuda":
+        return 132
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in SM_COUNT:
+        SM_COUNT[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return SM_COUNT[i]
+
+
+def split_k_for(tiles: int, k_tiles: int, sms: int) -> int:
+    """How many K-slices: enough programs for about two per SM, each slice a whole number of
+    K-tiles (the largest divisor of k_tiles not above what is wanted)."""
+    want = max(1, -(-2 * sms // tiles))
+    return max(d for d in range(1, min(want, k_tiles) + 1) if k_tiles % d == 0)
+
+
+def launch(x, qweight, scales, zeros, out, group_size: int, split_k=None, block_n=None,
+           num_warps=None, num_stages=3):
+    """(grid, positional args, keyword args) of the kernel launch (compile_check uses it too).
+    out is [M, N] when split_k is 1, else [split_k, M, N] fp32; `plan` picks split_k."""
     M, K = x.shape
     N = qweight.shape[0]
-    block_m, block_n, block_k = block_sizes(M, group_size, x.dtype)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    args = (x, qweight, scales, zeros, out, M, N, K,
-            *x.stride(), *qweight.stride(), *scales.stride(), *out.stride())
+    block_m, bn, block_k = block_sizes(M, group_size, x.dtype)
+    block_n = block_n or bn
+    split_k = split_k or (out.shape[0] if out.dim() == 3 else 1)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n), split_k)
+    o = out if out.dim() == 3 else out[None]
+    args = (x, qweight, scales, zeros, out, M, N, K // split_k,
+            *x.stride(), *qweight.stride(), *scales.stride(), *o.stride())
     kwargs = dict(GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  num_warps=4, num_stages=3, **dot_options(x.dtype))
+                  num_warps=num_warps or 8,
+                  num_stages=num_stages,
+                  **dot_options(x.dtype))
     return grid, args, kwargs
 
 
-def int4_gemm(x, qweight, scales, zeros, group_size: int):
+def plan(x, qweight, group_size: int, split_k=None, block_n=None) -> int:
+    """split_k for this product: given, or enough K-slices for about two programs per SM."""
+    if split_k is not None:
+        return split_k
+    M, K = x.shape
+    block_m, bn, block_k = block_sizes(M, group_size, x.dtype)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(qweight.shape[0], block_n or bn)
+    return split_k_for(tiles, K // block_k, num_sms(x.device))
+
+
+def int4_gemm(x, qweight, scales, zeros, group_size: int, split_k=None, **config):
     """x [M, K] @ dequant(qweight, scales, zeros)^T -> [M, N] in x's dtype (fp32 accumulation).
 
-    qweight [N, K/2] uint8 (rtn.pack_int4's nibble order), scales / zeros [N, K/g] fp32."""
+    qweight [N, K/2] uint8 (rtn.pack_int4's nibble order), scales / zeros [N, K/g] fp32.
+    split_k: K-slices (None: enough for about two programs per SM); config: block_n, num_warps,
+    num_stages (benchmarks/bench_int4_gemm.py --sweep tries them)."""
     check_int4_gemm(x, qweight, scales, zeros, group_size)
-    out = torch.empty(x.shape[0], qweight.shape[0], dtype=x.dtype, device=x.device)   # [M, N]
-    if out.numel() == 0:
-        return out
-    grid, args, kwargs = launch(x, qweight, scales, zeros, out, group_size)
+    if OVERRIDE:
+        config = {**OVERRIDE, **config}
+    chosen = config.pop("split_k", None)
+    split_k = chosen if split_k is None else split_k
+    M, N = x.shape[0], qweight.shape[0]
+    if M == 0 or N == 0:
+        return torch.empty(M, N, dtype=x.dtype, device=x.device)
+    split_k = plan(x, qweight, group_size, split_k, config.get("block_n"))
+    block_k = block_sizes(M, group_size, x.dtype)[2]
+    if (x.shape[1] // block_k) % split_k:
+        raise ValueError(f"split_k={split_k} must divide the {x.shape[1] // block_k} K-tiles")
+    if split_k == 1:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)                     # [M, N]
+    else:
+        out = torch.empty(split_k, M, N, dtype=torch.float32, device=x.device)      # partials
+    grid, args, kwargs = launch(x, qweight, scales, zeros, out, group_size, split_k, **config)
     _int4_gemm_kernel[grid](*args, **kwargs)
-    return out
+    return out if split_k == 1 else out.sum(0).to(x.dtype)
