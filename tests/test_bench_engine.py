@@ -97,3 +97,20 @@ def test_llama_cpp_system_produces_the_requested_lengths():
         pytest.skip("the bundled GGUF is not installed")
     tokens, info = load("bench_engine").run_llama_cpp([[504, 3458, 314], [28, 9]], [3, 2], None)
     assert [len(t) for t in tokens] == [3, 2] and info["gguf"].endswith(".gguf")
+
+
+def test_decode_gpu_bench_runs_on_cpu_and_compares_graphs_with_eager(tmp_path):
+    """bench_decode_gpu.py end to end at toy lengths on the CPU (graphs are ignored there, so
+    the graphs variant must agree with eager token for token)."""
+    bench = load("bench_decode_gpu")
+    out = tmp_path / "d.json"
+    record = bench.main(["--device", "cpu", "--models", "smollm2-135m", "--batches", "1", "2",
+                         "--variants", "bf16_eager", "bf16_graphs", "--prompt", "3",
+                         "--short", "1", "--long", "3", "--out", str(out)])
+    rows = {(r["variant"], r["batch"]): r for r in record["rows"]}
+    assert set(rows) == {(v, b) for v in ("bf16_eager", "bf16_graphs") for b in (1, 2)}
+    for b in (1, 2):
+        assert rows[("bf16_graphs", b)]["compared_with"] == "bf16_eager"
+        assert rows[("bf16_graphs", b)]["agreement"]["sequences_equal"] == b
+        assert rows[("bf16_eager", b)]["step_ms"] > 0
+    assert out.exists() and record["device"]
