@@ -28,7 +28,10 @@ eagerly, as does a batch larger than the largest graph. Sampling stays outside t
 `build_graph_runner` is the seam the model runner holds: `NoGraphs` (does nothing) on a CPU,
 with enforce_eager=True, or when hidden states are needed; `CUDAGraphRunner` otherwise. On a CPU
 the flag is accepted and ignored with a logged note (there is no launch overhead to remove).
-minillm's default is enforce_eager=True (vLLM's is False) until this path has run on a GPU in CI.
+Measured on one H100 (2026-11-25, benchmarks/README.md): greedy tokens equal to the eager step's
+in fp32, and decode steps 10x faster for SmolLM2-135M at batch 1 (21.3 -> 2.1 ms), 3.5-4.8x for
+Llama-3.2-1B. minillm's default stays enforce_eager=True (vLLM's is False): CI has no GPU, so
+nothing would keep this path tested on every change.
 """
 from __future__ import annotations
 

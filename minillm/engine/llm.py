@@ -74,7 +74,8 @@ class LLM:
     model's dtype) or "fp8" (e4m3, one byte per value: twice bf16's tokens per GB; also
     "fp8_e4m3", "fp8_e5m2"), vLLM's names. enforce_eager=False replays decode
     steps from CUDA graphs on a GPU (`minillm.engine.cuda_graphs`); ignored, with a logged note,
-    on a CPU. The default stays True (vLLM's is False) until that path has run in CI on a GPU.
+    on a CPU. The default stays True (vLLM's is False): CI has no GPU to test graphs on every
+    change (measured once on an H100: benchmarks/README.md).
 
     tensor_parallel_size=N (chapter 10) splits the model over N ranks: N - 1 worker processes
     (spawned once, gloo on the CPU) and rank 0 in this process, which samples. N must split the

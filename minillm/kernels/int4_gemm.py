@@ -49,8 +49,8 @@ row and sums along K, which avoids moving the weight tile into the tensor-core o
 
 Measured (H100, 2026-11-25, benchmarks/README.md): the first version of this kernel ran the
 Llama-3.2-1B engine at batch 1 at 5.1 ms per step against bf16's 2.2 ms; this one at 2.5-2.7
-ms. It still reads its int4 bytes at 0.3-0.7 TB/s where cuBLAS streams bf16 at 1.3-2.6, so it
-stays slower than bf16 (0.58-0.88x per product at one row): quantization pays on a GPU only
+ms. It still reads its int4 bytes at 0.3-0.8 TB/s where cuBLAS streams bf16 at 1.3-2.6, so it
+stays slower than bf16 (0.68-0.97x per product at one row): quantization pays on a GPU only
 with a kernel that keeps the memory system as busy as a bf16 GEMM does (Marlin-class).
 
 What a production kernel adds (Marlin in vLLM, torchao's tinygemm, and the kernels behind
