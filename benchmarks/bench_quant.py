@@ -4,6 +4,7 @@
     python benchmarks/bench_quant.py quality --threads 2    # ppl, KL, agreement per format
     python benchmarks/bench_quant.py kv      --threads 2    # fp8 KV cache: quality, capacity
     python benchmarks/bench_quant.py engine  --threads 2    # engine vs transformers, 16 requests
+    python benchmarks/bench_quant.py batch1  --threads 2 --repeats 5   # batch 1, LM head too
 
 speed: the engine (minillm.LLM, greedy, ignore_eos) decodes `--max-tokens` tokens for B prompts
 of 16 tokens at B = 1, 4, 16, with the bundled SmolLM2-135M in fp32, bf16, int8 and int4 (RTN,
@@ -26,6 +27,11 @@ engine: the engine at 16 concurrent requests (greedy, 32 tokens, 16-token prompt
 weight formats, the LM head quantized or not, against transformers' static `generate` (fp32),
 side by side, best of `--repeats` interleaved rounds; and a torch.profiler split of one decode
 step (GEMM vs everything else) for the fp32, int8 and fastest variants.
+
+batch1: the batch-1 decode step of fp32, int8 and int4 decoder layers, each also with an int8 LM
+head (`quantize_model(..., quantize_lm_head="int8")`: the head is a fifth of SmolLM2's weights,
+and in fp32 it is half of what an int8 model reads per step), in `--repeats` interleaved rounds
+(A B C ... A B C ...), median step per format and every round kept.
 
 Each writes JSON to benchmarks/results/ (device, date, command, load average, versions).
 """
@@ -135,7 +141,8 @@ def quality(args) -> dict:
     if args.lm_head:        # what quantizing the LM head too costs, beside the same format without
         variants = {"int8": build("int8")[0], "int8_lm_head": build_variant("int8_lm_head")[0],
                     "int4": build("int4", DEFAULT_GROUP_SIZE)[0],
-                    "int4_lm_head": build_variant("int4_lm_head")[0]}
+                    "int4_lm_head": build_variant("int4_lm_head")[0],
+                    "int4_int8_lm_head": build_variant("int4_int8_lm_head")[0]}
         extra = {"group_size": DEFAULT_GROUP_SIZE}
     else:
         variants, seconds = {"bf16": build("bf16")[0], "int8": build("int8")[0]}, {}
@@ -178,23 +185,25 @@ ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM
     "fp32": (torch.float32, None, False),
     "bf16": (torch.bfloat16, None, False),
     "int8": (torch.float32, "int8", False),
+    "int4": (torch.float32, "int4", False),
     "int8_lm_head": (torch.float32, "int8", True),
     "bf16_int8_lm_head": (torch.bfloat16, "int8", True),
     "int4_lm_head": (torch.float32, "int4", True),
+    "int4_int8_lm_head": (torch.float32, "int4", "int8"),
     "bf16_int4_lm_head": (torch.bfloat16, "int4", True),
 }
+
+
+ENGINE_SYSTEMS = ("fp32", "bf16", "int8", "int8_lm_head", "bf16_int8_lm_head", "int4_lm_head",
+                  "bf16_int4_lm_head")    # what `engine` times (its records predate the others)
+BATCH1_VARIANTS = ("fp32", "int8", "int8_lm_head", "int4", "int4_int8_lm_head")
 
 
 def build_variant(name: str):
     dtype, fmt, lm_head = ENGINE_VARIANTS[name]
     model, tok = minillm.load_model("smollm2-135m")
     model = model.to(dtype)
-    if fmt is not None:
-        if lm_head:                      # tied to the embedding: give the head its own copy
-            head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features,
-                                   bias=False, dtype=dtype)
-            head.weight.data.copy_(model.lm_head.weight.data)
-            model.lm_head = head
+    if fmt is not None:                  # the embedding it is tied to keeps its own table
         quantize_model(model, fmt, quantize_lm_head=lm_head)
     return model.eval(), tok
 
@@ -202,7 +211,7 @@ def build_variant(name: str):
 def engine(args) -> dict:
     from minillm.lab.profiling import decode_engine, profile_steps
     n = max(args.batches)
-    models = {name: build_variant(name) for name in ENGINE_VARIANTS}
+    models = {name: build_variant(name) for name in ENGINE_VARIANTS if name in ENGINE_SYSTEMS}
     runs = {name: [] for name in models}
     hf = []
     for m, tok in models.values():
@@ -231,9 +240,27 @@ def engine(args) -> dict:
             "target": "engine >= 2x transformers' static generate at 16 concurrent requests"}
 
 
+def batch1(args) -> dict:
+    models = {name: build_variant(name) for name in BATCH1_VARIANTS}
+    for m, tok in models.values():
+        decode_run(m, tok, 1, 4)                                         # warm-up
+    steps = {name: [] for name in models}
+    for _ in range(args.repeats):                                        # interleaved rounds
+        for name, (m, tok) in models.items():
+            steps[name].append(decode_run(m, tok, 1, args.max_tokens)["decode_step_s"])
+        print({k: round(v[-1] * 1e3, 1) for k, v in steps.items()}, flush=True)
+    median = {name: statistics.median(v) for name, v in steps.items()}
+    return {"batch": 1, "rounds": args.repeats,
+            "variants": {name: {"decode_step_s": median[name], "steps_s": steps[name],
+                                "weight_bytes": weight_bytes(models[name][0]),
+                                "speedup_vs_fp32": median["fp32"] / median[name]}
+                         for name in models},
+            "targets": "int8 >= 1.5x and int4 >= 2x fp32 decode throughput at batch 1"}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("speed", "quality", "kv", "engine"))
+    p.add_argument("part", choices=("speed", "quality", "kv", "engine", "batch1"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64])
@@ -252,7 +279,8 @@ def main(argv=None):
               "load_before": os.getloadavg()[0],
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__}}
-    record.update({"speed": speed, "quality": quality, "kv": kv, "engine": engine}[args.part](args))
+    record.update({"speed": speed, "quality": quality, "kv": kv, "engine": engine,
+                   "batch1": batch1}[args.part](args))
     record["load_after"] = os.getloadavg()[0]
     out = Path(args.out) if args.out else RESULTS / f"quant_{args.part}_cpu_{now:%Y%m%d}.json"
     out.write_text(json.dumps(record, indent=1))

@@ -183,3 +183,25 @@ def test_bad_input_names_the_fix():
     with pytest.raises(ValueError, match="does not divide the layer's 96 input features"):
         quantize_model(odd, "int4", group_size=64)
     assert type(odd.layers[0].self_attn.o_proj).__name__ == "Linear"   # nothing half-changed
+
+
+def test_lm_head_in_its_own_format_leaves_the_tied_embedding_alone():
+    """int4 decoder layers with an int8 LM head (quantize_lm_head="int8"): the head is an
+    Int8Linear whose product equals its twin's, the embedding table it was tied to is unchanged,
+    and a format that is not one is refused naming the choices."""
+    model = tiny_model()
+    table = model.embed_tokens.weight.detach().clone()
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    quantize_model(model, "int4", 32, quantize_lm_head="int8")
+    assert tied and isinstance(model.lm_head, Int8Linear)
+    kinds = {type(m) for m in model.layers.modules()}
+    assert Int4Linear in kinds and nn.Linear not in kinds
+    assert torch.equal(model.embed_tokens.weight, table)
+    h = torch.randn(3, table.shape[1])
+    torch.testing.assert_close(model.lm_head(h), int8_linear_ref(h, model.lm_head.qweight,
+                                                                 model.lm_head.scale),
+                               atol=5e-2, rtol=2e-2)
+    same = quantize_model(tiny_model(), "int8", quantize_lm_head=True)
+    assert isinstance(same.lm_head, Int8Linear)
+    with pytest.raises(ValueError, match="quantize_lm_head must be True, False or one of"):
+        quantize_model(tiny_model(), "int4", 32, quantize_lm_head="fp8")

@@ -13,7 +13,8 @@
 quantized twin, whatever the layers are called (separate q/k/v projections or fused ones), so
 `LLM(quantization=...)` and `load_model(..., quantization=...)` (vLLM's argument name) need
 nothing else from the model. The embedding and the LM head stay in the model's dtype unless
-`quantize_lm_head=True` (vLLM keeps them unquantized too).
+`quantize_lm_head=True` (the head in the same format) or a format name, e.g. int4 decoder layers
+with `quantize_lm_head="int8"` (vLLM keeps the head unquantized by default too).
 """
 from __future__ import annotations
 
@@ -53,10 +54,15 @@ def decoder_linears(model) -> list:
 
 
 def quantize_model(model, quantization: str, group_size: int = DEFAULT_GROUP_SIZE,
-                   quantize_lm_head: bool = False):
+                   quantize_lm_head=False):
     """Replace the decoder's nn.Linear modules with Int8Linear / Int4Linear, in place; returns
-    the model. Round-to-nearest; see gptq.py for the error-compensating int4."""
+    the model. Round-to-nearest; see gptq.py for the error-compensating int4. quantize_lm_head:
+    False, True (the same format) or "int8" / "int4" (its own format)."""
     check_quantization(quantization, group_size)
+    head_format = quantization if quantize_lm_head is True else (quantize_lm_head or None)
+    if quantize_lm_head not in (False, True) and head_format not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantize_lm_head must be True, False or one of "
+                         f"{', '.join(map(repr, QUANTIZATION_METHODS))}, got {quantize_lm_head!r}")
     if quantization is None:
         return model
     found = decoder_linears(model)
@@ -65,8 +71,8 @@ def quantize_model(model, quantization: str, group_size: int = DEFAULT_GROUP_SIZ
             check_group_size(group_size, lin.in_features)
     for parent, name, lin in found:
         setattr(parent, name, quantized_linear(lin, quantization, group_size))
-    if quantize_lm_head:
-        model.lm_head = quantized_linear(model.lm_head, quantization, group_size)
+    if head_format is not None:      # a tied embedding keeps its table: the new head has its own
+        model.lm_head = quantized_linear(model.lm_head, head_format, group_size)
     model.quantization = quantization
     return model
 
