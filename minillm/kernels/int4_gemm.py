@@ -168,9 +168,10 @@ def check_int4_gemm(x, qweight, scales, zeros, group_size: int) -> None:
 
 
 def block_sizes(M: int, group_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): 16 rows (tl.dot's minimum) for decode batches, more for
-    prefill; a K-tile of at most 64 columns; smaller tiles for fp32 activations. Each choice
-    keeps the tiles in registers (no spills: tests/test_int4_gemm.py compiles them for sm_90)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K): 1 row for one row (no tensor cores), 16 rows (tl.dot's
+    minimum) for 2-16, more for prefill; a K-tile of at most 64 columns; smaller tiles for fp32
+    activations. Each choice keeps the tiles in registers (no spills: tests/test_int4_gemm.py
+    compiles them for sm_90)."""
     if M == 1:                                   # one row: a dot product per column, in fp32
         return 1, 128, min(group_size, 64)       # (128 x 8 warps: the H100 sweep's fastest)
     if dtype == torch.float32:                   # exact fp32 products: no tensor cores, small tiles
@@ -216,9 +217,7 @@ def launch(x, qweight, scales, zeros, out, group_size: int, split_k=None, block_
     args = (x, qweight, scales, zeros, out, M, N, K // split_k,
             *x.stride(), *qweight.stride(), *scales.stride(), *o.stride())
     kwargs = dict(GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                  num_warps=num_warps or 8,
-                  num_stages=num_stages,
-                  **dot_options(x.dtype))
+                  num_warps=num_warps or 8, num_stages=num_stages, **dot_options(x.dtype))
     return grid, args, kwargs
 
 
