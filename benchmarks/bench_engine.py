@@ -51,13 +51,16 @@ from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear",
            "minillm_bf16", "minillm_int4", "llama_cpp", "minillm_graphs")
-DEFAULT_SYSTEMS = SYSTEMS[:5]   # the others are asked for by name (bf16 CPU, llama.cpp built,
-                                # minillm_graphs: enforce_eager=False, CUDA graphs on a GPU)
+DEFAULT_SYSTEMS = SYSTEMS[:5]   # on a CPU; the others are asked for by name (bf16 CPU, llama.cpp
+                                # built); on CUDA the defaults swap minillm_static and
+                                # minillm_nn_linear (a CPU GEMM choice) for minillm_graphs
 DEFAULTS = {   # device -> workload and engine limits
     "cpu": dict(models=["smollm2-135m"], weights="pretrained", num_requests=16, min_len=32,
-                max_len=128, max_num_seqs=4, max_num_batched_tokens=512),
+                max_len=128, max_num_seqs=4, max_num_batched_tokens=512,
+                systems=list(DEFAULT_SYSTEMS)),
     "cuda": dict(models=["smollm2-135m", "llama-3.2-1b"], weights="random", num_requests=256,
-                 min_len=100, max_len=1024, max_num_seqs=256, max_num_batched_tokens=16384),
+                 min_len=100, max_len=1024, max_num_seqs=256, max_num_batched_tokens=16384,
+                 systems=["hf_static", "hf_continuous", "minillm", "minillm_graphs"]),
 }
 
 
@@ -73,7 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--max-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                    help="minillm_bf16: minillm continuous with bf16 weights and KV (needs native "
                         "bf16 on a CPU); minillm_int4: the same with chapter 09's int4 "
                         "decoder linears; llama_cpp: llama-cpp-python on the bundled GGUF, one "

@@ -114,3 +114,12 @@ def test_decode_gpu_bench_runs_on_cpu_and_compares_graphs_with_eager(tmp_path):
         assert rows[("bf16_graphs", b)]["agreement"]["sequences_equal"] == b
         assert rows[("bf16_eager", b)]["step_ms"] > 0
     assert out.exists() and record["device"]
+
+
+def test_default_systems_follow_the_device():
+    bench = load("bench_engine")
+    assert bench.parse_args(["--device", "cpu"]).systems == list(bench.DEFAULT_SYSTEMS)
+    assert bench.parse_args(["--device", "cpu", "--systems", "minillm"]).systems == ["minillm"]
+    cuda = bench.DEFAULTS["cuda"]["systems"]
+    assert "minillm_graphs" in cuda and "minillm_nn_linear" not in cuda
+    assert set(cuda) <= set(bench.SYSTEMS)
