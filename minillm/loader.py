@@ -387,7 +387,9 @@ def _load_model(name, weights: str, device, dtype, seed: int):
     if key not in configs.names():
         raise _unknown_model(name)
 
-    tok = _bundled_tokenizer() if key == BUNDLED else None
+    tok = None
+    if key == BUNDLED and (weights != "random" or _bundled_is_local()):
+        tok = _bundled_tokenizer()          # random weights never send for the real model
     if weights == "random":
         return random_model(configs.get(key), device, dtype, seed), tok
     if key != BUNDLED:
@@ -434,6 +436,11 @@ def bundled_checkpoint() -> Path:
     if not (dest / "model.safetensors").exists():
         _convert_bundled(dest)
     return dest
+
+
+def _bundled_is_local() -> bool:
+    """The bundled model's tokenizer can be had without the network (converted, or the GGUF)."""
+    return (cache_dir() / BUNDLED / "model.safetensors").exists() or find_bundled_gguf() is not None
 
 
 def _bundled_tokenizer():

@@ -392,3 +392,17 @@ def test_rope_tables_equal_the_angles_computed_per_call():
     assert torch.equal(cos, emb.cos())
     x = torch.randn(1, 5, 2, cfg.head_dim)
     assert torch.equal(apply_rope(x, cos, sin), x * emb.cos() + rotate_half(x) * emb.sin())
+
+
+def test_random_bundled_shapes_never_send_for_the_real_model(monkeypatch, tmp_path):
+    """Without the bundled GGUF and its converted copy (a bare GPU machine), a random-weight
+    SmolLM2 builds with no tokenizer instead of asking the Hugging Face hub for the model."""
+    import minillm.loader as loader
+    monkeypatch.setattr(loader, "find_bundled_gguf", lambda: None)
+    monkeypatch.setenv("MINILLM_CACHE", str(tmp_path))
+
+    def no_network(dest):
+        raise AssertionError("random weights asked for the real model")
+    monkeypatch.setattr(loader, "_convert_bundled", no_network)
+    model, tok = minillm.load_model("smollm2-135m", weights="random", device="meta")
+    assert tok is None and model.config.num_layers == 30
