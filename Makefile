@@ -2,17 +2,21 @@
 # make test  - the same environment; ruff, unit tests, then nbval over notebooks/ and solutions/
 # make test-gpu     - on a CUDA machine: the Triton kernels compiled for the GPU (no interpreter),
 #                     then nbval over notebooks/ on the GPU
+# make test-gpu-system - the same kernel tests with the machine's own python3 and no venv (a GPU
+#                     machine without network, where torch and triton are already installed)
 # make test-browser - JupyterLab in headless Chromium: run a lecture, move a widget (CI runs it too)
 # make llama-cpp    - optional: llama-cpp-python built with native CPU flags (chapter 12's comparison)
 # make test-clients - openai, langchain-openai, llm, litellm, guidellm, lm-eval against the server (~3 min)
 PYTHON ?= python3
+GPU_TESTS := tests/test_kernels.py tests/test_paged_cache.py tests/test_device_policy.py \
+             tests/test_int4_gemm.py tests/test_cuda_graphs.py tests/test_kv_fp8.py
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP  := $(VENV)/.minillm-installed
 NB_TIMEOUT ?= 600
 
-.PHONY: lab test lint unit nbval test-gpu gpu-present test-browser test-clients exercises check-exercises bench train-draft train-eagle llama-cpp clean-venv
+.PHONY: lab test lint unit nbval test-gpu test-gpu-system gpu-present test-browser test-clients exercises check-exercises bench train-draft train-eagle llama-cpp clean-venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -54,8 +58,11 @@ test-gpu: gpu-present $(STAMP)
 	  'torch ' + torch.__version__ + ' cannot use the GPU (a CPU build?): run make clean-venv, then make test-gpu to reinstall torch with CUDA')"
 	env -u TRITON_INTERPRET $(BIN)/python -c "import torch; from minillm.loader import default_dtype; \
 	  d = torch.device('cuda'); print(torch.cuda.get_device_name(d), 'capability', torch.cuda.get_device_capability(d), 'model dtype', default_dtype(d))"
-	env -u TRITON_INTERPRET $(BIN)/python -m pytest -p no:randomly tests/test_kernels.py tests/test_paged_cache.py tests/test_device_policy.py tests/test_int4_gemm.py
+	env -u TRITON_INTERPRET $(BIN)/python -m pytest -p no:randomly $(GPU_TESTS)
 	env -u TRITON_INTERPRET $(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=$(NB_TIMEOUT) -p no:randomly notebooks
+
+test-gpu-system: gpu-present
+	env -u TRITON_INTERPRET PYTHONPATH=$(CURDIR) $(PYTHON) -m pytest -p no:randomly $(GPU_TESTS)
 
 gpu-present:
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then nvidia-smi -L; \
