@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from minillm import configs  # noqa: E402
+from minillm.engine.cuda_graphs import cuda_graph_capture  # noqa: E402
 from minillm.quant.linear import int4_linear_ref  # noqa: E402
 from minillm.quant.rtn import pack_int4, quantize_int4  # noqa: E402
 
@@ -54,20 +55,13 @@ def gpu_seconds(fn, repeats: int) -> float:
     host: a Triton launch costs tens of microseconds of Python, longer than a small kernel
     runs, and the first recorded run of this benchmark reported that instead of the kernels.)"""
     fn()                                     # compile, settle the allocator
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
+    replay, _ = cuda_graph_capture(fn, torch.cuda.graph_pool_handle())   # the engine's capture
+    replay()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
