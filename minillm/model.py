@@ -189,12 +189,22 @@ class Linear(nn.Linear):
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
+    _PACKED_STATE = ("_packed", "_packed_key")     # the packed copy and the weight it came from
+
     def __getstate__(self):
         """Copies and pickles leave the packed weight behind (it is remade on first use)."""
         state = dict(super().__getstate__())
-        state.pop("_packed", None)
-        state.pop("_packed_key", None)
+        for k in self._PACKED_STATE:
+            state.pop(k, None)
         return state
+
+    def has_packed(self) -> bool:
+        return "_packed" in self.__dict__
+
+    def drop_packed(self) -> None:
+        """Forget the packed copy (the next call that needs one makes it again)."""
+        for k in self._PACKED_STATE:
+            self.__dict__.pop(k, None)
 
     def prepacked(self):
         """The weight in oneDNN's blocked layout (made once per weight version), or None where
@@ -255,7 +265,7 @@ def _time_skinny(layers, repeats: int, max_bytes: int) -> tuple:
     import time
     n = max(1, min(len(layers), max_bytes // max(1, layers[0].weight.nbytes)))
     layers = layers[:n]
-    packed_before = ["_packed" in m.__dict__ for m in layers]
+    packed_before = [m.has_packed() for m in layers]
     paths = ["swap", "linear"] + (["packed"] if Linear.PREPACK and layers[0].prepacked()
                                   is not None else [])
     x = torch.randn(1, layers[0].in_features)
@@ -273,8 +283,7 @@ def _time_skinny(layers, repeats: int, max_bytes: int) -> tuple:
     if best != "packed":                 # timing packed copies that lost: drop them (an engine
         for m, had in zip(layers, packed_before):     # makes the ones it needs, `prepack`)
             if not had:
-                m.__dict__.pop("_packed", None)
-                m.__dict__.pop("_packed_key", None)
+                m.drop_packed()
     return best, ms
 
 
