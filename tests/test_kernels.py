@@ -129,6 +129,38 @@ def test_batched_decode_matches_the_reference(block_size, group, dtype):
                  dtype)
 
 
+@pytest.mark.parametrize("bf16_attention", [True, False], ids=["bf16-attention", "fp32-upcast"])
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_batched_bf16_queries_attend_in_either_dtype(monkeypatch, bf16_attention, kv_dtype):
+    """bf16 queries attend in bf16 on a CPU with AMX, else upcast to fp32 (BF16_ATTENTION):
+    both choices, decodes and a ragged prefill, match the reference within bf16 rounding."""
+    monkeypatch.setattr(batched, "BF16_ATTENTION", bf16_attention)
+    assert batched.bf16_attention_here() is bf16_attention
+    pairs = [(1, 13), (4, 9), (1, 3), (6, 6)]                            # (q_len, seq_len)
+    k_cache, v_cache, tables, seq_lens, _, _ = paged_kv([s for _, s in pairs], 4,
+                                                        dtype=torch.bfloat16)
+    k_cache, v_cache = k_cache.to(kv_dtype), v_cache.to(kv_dtype)
+    q = torch.randn(len(pairs), KV_HEADS * 3, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+    args = (q, k_cache, v_cache, tables, seq_lens, HEAD_DIM ** -0.5)
+    out = batched.paged_decode_attention(*args)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, reference.paged_decode_attention(*args), torch.bfloat16)
+    q_lens = [ql for ql, _ in pairs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEVICE)
+    qp = torch.randn(sum(q_lens), KV_HEADS * 3, HEAD_DIM, device=DEVICE).to(torch.bfloat16)
+    args = (qp, k_cache, v_cache, cu, seq_lens, tables, HEAD_DIM ** -0.5)
+    assert_close(batched.paged_prefill_attention(*args),
+                 reference.paged_prefill_attention(*args), torch.bfloat16)
+
+
+def test_bf16_attention_follows_the_cpus_amx(monkeypatch):
+    monkeypatch.setattr(batched, "BF16_ATTENTION", None)
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert batched.bf16_attention_here() is amx
+
+
 @pytest.mark.parametrize("block_size", [4, 8])
 @pytest.mark.parametrize("group", [1, 3])
 def test_batched_prefill_matches_the_reference(block_size, group):

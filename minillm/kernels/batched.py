@@ -150,18 +150,35 @@ def _keys(cache, keys):
     return flat.index_select(0, keys.flatten()).view(G, L, *flat.shape[1:]).transpose(1, 2)
 
 
+# Which dtype attention computes in when q is bf16. torch's CPU attention kernel runs bf16 on
+# the AMX tile units where the CPU has them: on the course's 2-core Xeon (AMX) it took 0.52-0.58x
+# the time of upcasting to fp32 at 16-64 decoding sequences. Without AMX (the course's AMD CPU,
+# AVX-512 BF16 only) bf16 attention ran 5x SLOWER than fp32. None: decide by the CPU
+# (`bf16_attention_here`); True / False force it (tests, benchmarks).
+BF16_ATTENTION = None
+
+
+def bf16_attention_here() -> bool:
+    """Whether bf16 queries attend in bf16 here (else the pool's keys and values are upcast to
+    fp32 first): BF16_ATTENTION, or by the CPU's AMX tile support."""
+    if BF16_ATTENTION is not None:
+        return BF16_ATTENTION
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(amx is not None and amx())
+
+
 def run(plan: Plan, q, k_cache, v_cache, scale, k_scale=1.0, v_scale=1.0):
     """q [T, H, D] (the rows the plan was made for) -> out [T, H, D]. An fp8 pool's k_scale
     joins the softmax scale and its v_scale multiplies the output (see kv_quant.py)."""
     out, scale = None, scale * k_scale
+    # fp32 like the reference, or bf16 for bf16 queries where the CPU has AMX (BF16_ATTENTION)
+    dt = torch.bfloat16 if q.dtype == torch.bfloat16 and bf16_attention_here() else torch.float32
     for g in plan.groups:
-        # in float32, like the reference: torch's CPU attention in bf16 ran 5x slower than in
-        # fp32 at 16-64 sequences, and the upcast copies are small next to the weights
-        k = _keys(k_cache, g.keys).float()                             # [G, KVH, L, D]
-        v = _keys(v_cache, g.keys).float()
+        k = _keys(k_cache, g.keys).to(dt)                              # [G, KVH, L, D]
+        v = _keys(v_cache, g.keys).to(dt)
         qg = q[:, None] if g.q_index is None else q[g.q_index]         # [G, Tq, H, D]
         o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2).float(), k, v, attn_mask=g.visible, scale=scale,
+            qg.transpose(1, 2).to(dt), k, v, attn_mask=g.visible, scale=scale,
             enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)                # [G, Tq, H, D]
         o = (o * v_scale if v_scale != 1.0 else o).to(q.dtype)
         if g.q_index is None:                                          # decodes, rows in order
