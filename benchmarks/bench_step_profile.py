@@ -56,10 +56,15 @@ def main(argv=None):
                         "next; every round's time is recorded)")
     p.add_argument("--skeleton", action="store_true",
                    help="the model's skeleton (same ops, next to no arithmetic, random weights)")
+    p.add_argument("--bf16-attention", choices=["auto", "on", "off"], default="auto",
+                   help="bf16 queries attend in bf16 (on), upcast to fp32 (off), or by the CPU's "
+                        "AMX (auto: minillm.kernels.batched.bf16_attention_here)")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]            # at the start, before this run adds to it
+    from minillm.kernels import batched
+    batched.BF16_ATTENTION = {"auto": None, "on": True, "off": False}[args.bf16_attention]
     torch.set_num_threads(args.threads)
     name = args.model
     if args.skeleton:
@@ -83,6 +88,7 @@ def main(argv=None):
                      "top_ops": [[n, round(c, 1), round(ms, 3)] for n, c, ms in prof.rows[:10]]})
     record = {"benchmark": "step_profile", "label": args.label, "model": model.config.name,
               "dtype": args.dtype, "quantization": args.quantization, "context": args.context,
+              "bf16_attention": batched.bf16_attention_here(),
               "threads": args.threads,
               "device": cpu_model(), "date": datetime.datetime.now(datetime.timezone.utc)
               .strftime("%Y-%m-%dT%H:%MZ"), "torch": torch.__version__,
