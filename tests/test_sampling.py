@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 import torch
 
+from minillm import sampling
 from minillm.sampling import (SamplingParams, make_generator, probs, sample, top_k_filter,
                               top_p_filter)
 
@@ -165,3 +166,17 @@ def test_probs_greedy_is_one_hot_on_the_argmax():
     assert torch.equal(p.argmax(-1), logits.argmax(-1)) and torch.equal(p.sum(-1), torch.ones(4))
     assert torch.equal((p == 1).sum(-1), torch.ones(4, dtype=torch.long))
     assert torch.equal(sample(logits, SamplingParams(temperature=0.0)), p.argmax(-1))
+
+
+def test_greedy_ids_is_argmax_with_the_first_of_ties():
+    """greedy_ids (max(dim), faster than argmax on a CPU) picks exactly what argmax picks."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 301, generator=g)
+    x[1, [5, 200]] = 50.0                                    # a tie: the first index wins
+    x[2, :] = 0.0                                            # a row of ties
+    x[3, [0, 300]] = 9.0                                     # tie at both ends
+    for dt in (torch.float32, torch.bfloat16):
+        got = sampling.greedy_ids(x.to(dt))
+        assert got.tolist() == x.to(dt).float().argmax(-1).tolist()
+    assert sampling.greedy_ids(x)[1:4].tolist() == [5, 0, 0]
+    assert sampling.greedy_ids(x[0]).item() == int(x[0].argmax())      # one row, [V]
