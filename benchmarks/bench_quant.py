@@ -185,6 +185,7 @@ ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM
     "fp32": (torch.float32, None, False),
     "bf16": (torch.bfloat16, None, False),
     "int8": (torch.float32, "int8", False),
+    "bf16_int8": (torch.bfloat16, "int8", False),
     "int4": (torch.float32, "int4", False),
     "int8_lm_head": (torch.float32, "int8", True),
     "bf16_int8_lm_head": (torch.bfloat16, "int8", True),
@@ -194,8 +195,8 @@ ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM
 }
 
 
-ENGINE_SYSTEMS = ("fp32", "bf16", "int8", "int8_lm_head", "bf16_int8_lm_head", "int4_lm_head",
-                  "bf16_int4_lm_head")    # what `engine` times (its records predate the others)
+ENGINE_SYSTEMS = ("fp32", "bf16", "int8", "bf16_int8", "int8_lm_head", "bf16_int8_lm_head",
+                  "int4_lm_head", "bf16_int4_lm_head")    # what `engine` times
 BATCH1_VARIANTS = ("fp32", "int8", "int8_lm_head", "int4", "int4_int8_lm_head")
 
 
