@@ -123,15 +123,16 @@ class piecewise_compiled:
     def __enter__(self):
         from minillm.model import Linear
         # Inductor cannot lower the product on Linear's hand-packed weight (its own packing
-        # needs `freezing`): that product stays eager, a break in the piece; a 1-2 row fp32
+        # needs `freezing`): that product stays eager, a break in the piece; a 1-3 row fp32
         # product in plain ops ((W @ x^T)^T or F.linear, whichever tune_skinny picked) is
         # compiled with the rest
         plain, eager = Linear.forward, torch.compiler.disable(Linear.forward)
 
         def forward(lin, x):
             rows = x.numel() // x.shape[-1]
-            traced = (x.dtype == torch.float32 and rows in Linear.SKINNY_ROWS
-                      and lin.skinny != "packed")
+            traced = x.dtype == torch.float32 and (
+                (rows in Linear.SKINNY_ROWS and lin.skinny != "packed")
+                or (rows in Linear.FEW_ROWS and lin.few == "linear"))
             return plain(lin, x) if traced else eager(lin, x)
 
         self.saved = self.cls.forward, plain

@@ -363,7 +363,7 @@ def load_model(name: Union[str, os.PathLike, ModelConfig] = BUNDLED, weights: st
     if quantization is not None:
         model = quantize_model(model, quantization)
     if model.device.type == "cpu":
-        tune_skinny(model)       # this machine's fastest one-row fp32 product, per weight shape
+        tune_skinny(model)       # this machine's fastest 1-3 row fp32 products, per weight shape
     return model, tok
 
 

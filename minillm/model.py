@@ -151,7 +151,12 @@ class Linear(nn.Linear):
       single row sent in as two. The machines disagree: on the course's AMD CPU a one-row
       F.linear read the weights at about a third of the bandwidth of the swapped two-row
       product; on an Intel Xeon with AMX the one-row F.linear ran 2-3x faster than the swap.
-      Layers never tuned take the swap.
+      Layers never tuned take the swap;
+    - for 3 fp32 rows (a k = 2 speculative verification, a tree of three candidates, three
+      decoding sequences) takes F.linear or the packed product, whichever `tune_skinny`
+      measured faster at three rows (`few`): on the Xeon F.linear took 0.81x the packed
+      product's time there, on the AMD CPU the packed product was the faster from 3 rows up.
+      Layers never tuned take the packed product.
 
     benchmarks/bench_skinny_gemm.py measures the choices on a machine, with the weights coming
     from memory as in a real step. The packed copy is made at the first call that needs it (an
@@ -159,13 +164,17 @@ class Linear(nn.Linear):
     (another tensor, an in-place copy, another dtype); it doubles the memory of the weights it
     packs. Same numbers up to float rounding (tests/test_model.py); parameters and state-dict
     names are nn.Linear's. A GPU, a product that autograd records, or a torch without oneDNN
-    takes F.linear. `SKINNY_ROWS = range(0)` and `PREPACK = False` switch the two paths off.
+    takes F.linear. `SKINNY_ROWS = range(0)`, `FEW_ROWS = range(0)` and `PREPACK = False`
+    switch the paths off.
     """
 
     SKINNY_ROWS = range(1, 3)                                # fp32 rows tune_skinny decides
+    FEW_ROWS = range(3, 4)                                   # ... with F.linear or packed
     PREPACK = True                                           # CPU products on packed weights
     skinny = "swap"                                          # this layer's 1-2 row product:
                                                              # "swap" | "linear" | "packed"
+    few = "packed"                                           # its 3-row product: "linear" |
+                                                             # "packed"
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
         w = self.weight
@@ -184,6 +193,8 @@ class Linear(nn.Linear):
             else:
                 out = torch.addmm(self.bias[:, None], w, flat.t())
             return out[:, :rows].t().contiguous().view(*x.shape[:-1], self.out_features)
+        if w.dtype == torch.float32 and rows in self.FEW_ROWS and self.few == "linear":
+            return F.linear(x, w, self.bias)
         packed = self.prepacked() if self.PREPACK else None
         if packed is None:
             return F.linear(x, w, self.bias)
@@ -234,57 +245,72 @@ def prepack(model) -> int:
     return total
 
 
-_SKINNY_CHOICE: dict = {}        # (weight shape, bias, threads) -> product, once per process
+_SKINNY_CHOICE: dict = {}        # (weight shape, bias, threads) -> choices, once per process
 
 
 def tune_skinny(model, repeats: int = 3, max_bytes: int = 256 << 20) -> dict:
-    """Time, for each fp32 weight shape of `model`'s CPU Linears, a one-row product through
-    F.linear, the packed weight and (W @ x^T)^T, and give every layer of that shape the fastest
-    (`Linear.skinny`). Each path runs over the layers of the shape in turn (up to `max_bytes`
-    of them), so the weights come from memory as in a step, `repeats` times, median kept. A
-    shape is timed once per process: later models reuse the choice (same rounding for every
-    model of a run). `load_model` calls it on a CPU. Returns {shape: (choice, {path: ms})}."""
+    """Time, for each fp32 weight shape of `model`'s CPU Linears, the products a few rows can
+    take and give every layer of that shape the fastest: at one row F.linear, the packed weight
+    and (W @ x^T)^T (`Linear.skinny`, used for 1-2 rows), at three rows F.linear and the packed
+    weight (`Linear.few`). Each path runs over the layers of the shape in turn (up to
+    `max_bytes` of them), so the weights come from memory as in a step, `repeats` times, median
+    kept. A shape is timed once per process: later models reuse the choice (same rounding for
+    every model of a run). `load_model` calls it on a CPU.
+    Returns {shape: {"skinny" | "few": (choice, {path: ms})}}."""
     layers = [m for m in model.modules() if isinstance(m, Linear)
               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
     out, groups = {}, {}
-    if 1 not in Linear.SKINNY_ROWS:
+    if 1 not in Linear.SKINNY_ROWS and not Linear.FEW_ROWS:
         return out
     for m in layers:
         key = (tuple(m.weight.shape), m.bias is not None, torch.get_num_threads())
         groups.setdefault(key, []).append(m)
     for key, ms in groups.items():
         if key not in _SKINNY_CHOICE:
-            _SKINNY_CHOICE[key] = _time_skinny(ms, repeats, max_bytes)
-        for m in ms:
-            m.skinny = _SKINNY_CHOICE[key][0]
+            _SKINNY_CHOICE[key] = _time_few_rows(ms, repeats, max_bytes)
+        for attr, (choice, _) in _SKINNY_CHOICE[key].items():
+            for m in ms:
+                setattr(m, attr, choice)
         out[key[0]] = _SKINNY_CHOICE[key]
     return out
 
 
-def _time_skinny(layers, repeats: int, max_bytes: int) -> tuple:
-    import time
+def _time_few_rows(layers, repeats: int, max_bytes: int) -> dict:
+    """{"skinny": (choice, ms)} at one row and {"few": ...} at FEW_ROWS[0] rows, for the rules
+    that are on; packed copies made only for the timing and chosen by neither are dropped."""
     n = max(1, min(len(layers), max_bytes // max(1, layers[0].weight.nbytes)))
     layers = layers[:n]
     packed_before = [m.has_packed() for m in layers]
-    paths = ["swap", "linear"] + (["packed"] if Linear.PREPACK and layers[0].prepacked()
-                                  is not None else [])
-    x = torch.randn(1, layers[0].in_features)
+    packed = ["packed"] if Linear.PREPACK and layers[0].prepacked() is not None else []
+    out = {}
+    if 1 in Linear.SKINNY_ROWS:
+        out["skinny"] = _time_products(layers, 1, "skinny", ["swap", "linear"] + packed, repeats)
+    if Linear.FEW_ROWS and packed:              # without a packed weight only F.linear is left
+        out["few"] = _time_products(layers, Linear.FEW_ROWS[0], "few", ["linear"] + packed,
+                                    repeats)
+    if all(choice != "packed" for choice, _ in out.values()):
+        for m, had in zip(layers, packed_before):   # an engine makes the ones it needs later
+            if not had:                             # (`prepack`)
+                m.drop_packed()
+    return out
+
+
+def _time_products(layers, rows: int, attr: str, paths: list, repeats: int) -> tuple:
+    """Run `rows` rows through every layer with each path (set as `attr`) in turn: (the fastest
+    path, {path: median ms})."""
+    import time
+    x = torch.randn(rows, layers[0].in_features)
     times = {p: [] for p in paths}
     with torch.no_grad():
         for _ in range(repeats + 1):                         # the first round warms up
             for p in paths:
                 t0 = time.perf_counter()
                 for m in layers:
-                    m.skinny = p
+                    setattr(m, attr, p)
                     m(x)
                 times[p].append(time.perf_counter() - t0)
     ms = {p: round(1e3 * sorted(t[1:])[len(t[1:]) // 2], 3) for p, t in times.items()}
-    best = min(ms, key=ms.get)
-    if best != "packed":                 # timing packed copies that lost: drop them (an engine
-        for m, had in zip(layers, packed_before):     # makes the ones it needs, `prepack`)
-            if not had:
-                m.drop_packed()
-    return best, ms
+    return min(ms, key=ms.get), ms
 
 
 def _prepack(w):

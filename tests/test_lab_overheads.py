@@ -45,7 +45,7 @@ def test_the_skeleton_runs_the_same_ops_with_next_to_no_arithmetic():
     assert abs(ops[0] - ops[1]) <= 0.01 * ops[0]
 
 
-def test_same_products_gives_the_skeleton_the_real_models_one_row_choices():
+def test_same_products_gives_the_skeleton_the_real_models_few_row_choices():
     from minillm.lab.profiling import same_products
     from minillm.model import Linear
     big = ModelConfig(name="wide", vocab_size=3000, hidden_size=256, intermediate_size=768,
@@ -55,9 +55,10 @@ def test_same_products_gives_the_skeleton_the_real_models_one_row_choices():
     names = [n for n, m in real.named_modules() if isinstance(m, Linear)]
     for i, n in enumerate(names):                            # a different choice per layer
         real.get_submodule(n).skinny = ("swap", "linear", "packed")[i % 3]
+        real.get_submodule(n).few = ("linear", "packed")[i % 2]
     same_products(skel, real)
-    assert [skel.get_submodule(n).skinny for n in names] == [
-        real.get_submodule(n).skinny for n in names]
+    assert [(skel.get_submodule(n).skinny, skel.get_submodule(n).few) for n in names] == [
+        (real.get_submodule(n).skinny, real.get_submodule(n).few) for n in names]
 
 
 def test_overlap_runs_the_same_work_in_both_schedules():

@@ -78,13 +78,14 @@ def test_linear_orientation_matches_f_linear(bias, lead):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("skinny", ["swap", "linear", "packed"])
+@pytest.mark.parametrize("skinny, few", [("swap", "packed"), ("linear", "linear"),
+                                         ("packed", "packed"), ("swap", "linear")])
 @pytest.mark.parametrize("bias", [False, True])
-def test_every_one_row_product_matches_f_linear(skinny, bias):
+def test_every_few_row_product_matches_f_linear(skinny, few, bias):
     torch.manual_seed(0)
     layer = minillm.model.Linear(24, 40, bias=bias)
-    layer.skinny = skinny
-    for lead in [(1,), (2,), (1, 2), (2, 1)]:
+    layer.skinny, layer.few = skinny, few
+    for lead in [(1,), (2,), (1, 2), (2, 1), (3,), (1, 3), (3, 1)]:
         x = torch.randn(*lead, 24)
         with torch.no_grad():
             out = layer(x)
@@ -107,35 +108,45 @@ def test_tune_skinny_times_each_shape_once_and_gives_all_its_layers_the_winner(m
 
     def fake(layers, repeats, max_bytes):
         timed.append(tuple(layers[0].weight.shape))
-        return ("linear" if len(timed) % 2 else "packed"), fastest
-    monkeypatch.setattr(minillm.model, "_time_skinny", fake)
+        odd = len(timed) % 2
+        return {"skinny": ("linear" if odd else "packed", fastest),
+                "few": ("packed" if odd else "linear", fastest)}
+    monkeypatch.setattr(minillm.model, "_time_few_rows", fake)
     model = _tiny_model()                                   # load_model tunes on a CPU
     by_shape = {}
     for m in model.modules():
         if isinstance(m, minillm.model.Linear):
-            by_shape.setdefault(tuple(m.weight.shape), set()).add(m.skinny)
+            by_shape.setdefault(tuple(m.weight.shape), set()).add((m.skinny, m.few))
     assert sorted(timed) == sorted(by_shape) and len(timed) == 5   # qkv, o, gate_up, down, head
     assert all(len(v) == 1 for v in by_shape.values())      # one choice per shape
-    assert {c for v in by_shape.values() for c in v} == {"linear", "packed"}
+    assert {c for v in by_shape.values() for c in v} == {("linear", "packed"),
+                                                         ("packed", "linear")}
     again = _tiny_model()                                    # the same process: no new timing
     assert len(timed) == 5
-    assert ([m.skinny for m in again.modules() if isinstance(m, minillm.model.Linear)]
-            == [m.skinny for m in model.modules() if isinstance(m, minillm.model.Linear)])
+    assert ([(m.skinny, m.few) for m in again.modules() if isinstance(m, minillm.model.Linear)]
+            == [(m.skinny, m.few) for m in model.modules() if isinstance(m, minillm.model.Linear)])
 
 
-def test_tune_skinny_measures_the_three_products(monkeypatch):
+def test_tune_skinny_measures_the_products_at_one_and_three_rows(monkeypatch):
     monkeypatch.setattr(minillm.model, "_SKINNY_CHOICE", {})
     model = _tiny_model()                                   # tuned (timed) as it loads
     choices = minillm.model.tune_skinny(model)
     assert len(choices) == 5
-    for choice, ms in choices.values():
-        assert set(ms) == {"swap", "linear", "packed"} and all(t > 0 for t in ms.values())
-        assert ms[choice] == min(ms.values())
+    for by_rule in choices.values():
+        assert set(by_rule) == {"skinny", "few"}
+        for rule, paths in (("skinny", {"swap", "linear", "packed"}),
+                            ("few", {"linear", "packed"})):
+            choice, ms = by_rule[rule]
+            assert set(ms) == paths and all(t > 0 for t in ms.values())
+            assert ms[choice] == min(ms.values())
     for m in model.modules():             # timing left no packed copy behind where it lost
-        if isinstance(m, minillm.model.Linear) and m.skinny != "packed":
+        if isinstance(m, minillm.model.Linear) and "packed" not in (m.skinny, m.few):
             assert "_packed" not in m.__dict__
+    monkeypatch.setattr(minillm.model.Linear, "FEW_ROWS", range(0))
+    monkeypatch.setattr(minillm.model, "_SKINNY_CHOICE", {})
+    assert all(set(c) == {"skinny"} for c in minillm.model.tune_skinny(_tiny_model()).values())
     monkeypatch.setattr(minillm.model.Linear, "SKINNY_ROWS", range(0))
-    assert minillm.model.tune_skinny(_tiny_model()) == {}    # no one-row rule: nothing to time
+    assert minillm.model.tune_skinny(_tiny_model()) == {}    # no few-row rule: nothing to time
 
 
 def test_linear_picks_its_cpu_product_by_rows_dtype_and_grad(monkeypatch):
@@ -149,6 +160,12 @@ def test_linear_picks_its_cpu_product_by_rows_dtype_and_grad(monkeypatch):
         for rows in (1, 2, 3, 64):
             layer(torch.randn(rows, 8))
     assert calls == [("mm", 2), ("mm", 2), ("packed", 3), ("packed", 64)]   # one row as two
+    layer.few = "linear"                                     # tuned: F.linear at 3 rows
+    with torch.no_grad():
+        layer(torch.randn(3, 8))
+        layer(torch.randn(4, 8))
+    assert calls[4:] == [("packed", 4)]                      # 3 rows took F.linear
+    del calls[4:]
     layer(torch.randn(4, 8))                                 # autograd records it: F.linear
     layer.weight.requires_grad_(False)
     layer(torch.randn(4, 8, requires_grad=True))             # a frozen layer, but x wants grad

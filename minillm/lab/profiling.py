@@ -66,14 +66,15 @@ def skeleton_config(cfg, width: int = 64):
 
 
 def same_products(skeleton, model) -> None:
-    """Give each Linear of `skeleton` the one-row product `tune_skinny` chose for the layer of
-    the same name in `model`: the skeleton's tiny shapes would time their own winners, and
-    different products are different ops (the swapped product adds a cat and a transpose)."""
+    """Give each Linear of `skeleton` the few-row products `tune_skinny` chose for the layer of
+    the same name in `model` (`skinny`, `few`): the skeleton's tiny shapes would time their own
+    winners, and different products are different ops (the swapped product adds a cat and a
+    transpose)."""
     from ..model import Linear
-    chosen = {n: m.skinny for n, m in model.named_modules() if isinstance(m, Linear)}
+    chosen = {n: (m.skinny, m.few) for n, m in model.named_modules() if isinstance(m, Linear)}
     for n, m in skeleton.named_modules():
         if isinstance(m, Linear):
-            m.skinny = chosen[n]
+            m.skinny, m.few = chosen[n]
 
 
 def time_steps(engine: LLMEngine, steps: int) -> float:
