@@ -150,11 +150,11 @@ def _keys(cache, keys):
     return flat.index_select(0, keys.flatten()).view(G, L, *flat.shape[1:]).transpose(1, 2)
 
 
-# Which dtype attention computes in when q is bf16. torch's CPU attention kernel runs bf16 on
-# the AMX tile units where the CPU has them: on the course's 2-core Xeon (AMX) it took 0.52-0.58x
-# the time of upcasting to fp32 at 16-64 decoding sequences. Without AMX (the course's AMD CPU,
-# AVX-512 BF16 only) bf16 attention ran 5x SLOWER than fp32. None: decide by the CPU
-# (`bf16_attention_here`); True / False force it (tests, benchmarks).
+# Which dtype attention computes in when q is bf16. On the course's 2-core Xeon, which has AMX
+# tile units for bf16 matrices, torch's CPU attention in bf16 took 0.52-0.58x the time of
+# upcasting to fp32 at 16-64 decoding sequences; on its AMD CPU (AVX-512 BF16, no AMX) bf16
+# attention ran 5x SLOWER than fp32. AMX is the rule's proxy for "bf16 attention is fast here".
+# None: decide by the CPU (`bf16_attention_here`); True / False force it (tests, benchmarks).
 BF16_ATTENTION = None
 
 
