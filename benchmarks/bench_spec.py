@@ -11,9 +11,13 @@ open-ended one, at several temperatures; acceptance per draft position. Methods:
     eagle        the committed EAGLE drafter (minillm/spec/eagle.py), FR-Spec reduced head
     eagle_full   the same drafter with the target's full LM head
     eagle_tree   the drafter's top `--tree-branches` first tokens, each continued to depth K,
-                 verified in one forward with the tree mask (spec/tree.py; greedy rows only)
+                 verified in one forward with the tree mask (spec/tree.py); at temperature > 0
+                 the ranked children are one-hot drafts (accept x with p(x), else remove it)
     eagle_tree1  the same tree with the runner-up branches cut to depth 1: the chain of K plus
-                 the runner-up first tokens, no extra drafter pass (greedy rows only)
+                 the runner-up first tokens, no extra drafter pass
+    eagle_top1   the tree code with one branch: the chain of the drafter's argmax tokens. At
+                 temperature 0 it is `eagle`; at temperature > 0 it separates what the tree's
+                 branches win from what one-hot (ranked) drafts win over `eagle`'s sampled ones
 
 `--head-cost` also times one EAGLE draft step with each head (the cost FR-Spec removes).
 
@@ -58,8 +62,9 @@ from minillm.spec.prompts import chat, grounded_prompts, open_prompts  # noqa: E
 
 RESULTS = Path(__file__).resolve().parent / "results"
 METHODS = ("none", "ngram", "medusa", "draft_model", "eagle", "eagle_full", "eagle_tree",
-           "eagle_tree1")
-TREES = {"eagle_tree": None, "eagle_tree1": 1}      # method -> side_depth (None: every branch K)
+           "eagle_tree1", "eagle_top1")
+# method -> (branches: None for --tree-branches, side_depth: None for every branch K)
+TREES = {"eagle_tree": (None, None), "eagle_tree1": (None, 1), "eagle_top1": (1, None)}
 
 
 def parse_args(argv=None):
@@ -173,7 +178,8 @@ def proposers(model, args):
                "eagle": lambda: eagle_config(args, "reduced"),
                "eagle_full": lambda: eagle_config(args, "full"),
                "eagle_tree": lambda: eagle_config(args, "reduced"),
-               "eagle_tree1": lambda: eagle_config(args, "reduced")}
+               "eagle_tree1": lambda: eagle_config(args, "reduced"),
+               "eagle_top1": lambda: eagle_config(args, "reduced")}
     if not spec.DEFAULT_WEIGHTS.exists():
         del configs["medusa"]
     if not DEFAULT_EAGLE_WEIGHTS.exists():
@@ -202,7 +208,7 @@ def batch1(model, tok, args, props) -> list:
             "open": lambda: chat(tok, open_prompts(args.num_prompts))}
     sets = {name: make() for name, make in sets.items() if name in args.sets.split(",")}
     for temp in [float(t) for t in args.temperatures.split(",") if t]:
-        names = [m for m in props if not (m in TREES and temp > 0)]          # greedy tree only
+        names = list(props)
         for set_name, prompts in sets.items():
             acc = {m: dict(tokens=0, time=0.0, stats=spec.SpecStats(), outs=[], per_prompt=[])
                    for m in names}
@@ -213,9 +219,10 @@ def batch1(model, tok, args, props) -> list:
                     st = spec.SpecStats()
                     t0 = time.perf_counter()
                     if m in TREES:
+                        branches, side = TREES[m]
                         out = spec.tree_generate(model, tok, prompt, props[m], args.k,
-                                                 args.max_tokens, args.tree_branches, stats=st,
-                                                 side_depth=TREES[m])
+                                                 args.max_tokens, branches or args.tree_branches,
+                                                 stats=st, side_depth=side, sampling=sp)
                     else:
                         out = spec.speculative_generate(model, tok, prompt, props[m], args.k,
                                                         args.max_tokens, sp, stats=st)
@@ -240,8 +247,8 @@ def batch1(model, tok, args, props) -> list:
                            per_prompt=_per_prompt(a["per_prompt"], acc.get("none")),
                            **{k: v for k, v in a["stats"].as_dict().items()})
                 if m in TREES:
-                    row["tree_branches"] = args.tree_branches
-                    row["tree_side_depth"] = TREES[m] or args.k
+                    row["tree_branches"] = TREES[m][0] or args.tree_branches
+                    row["tree_side_depth"] = TREES[m][1] or args.k
                 if temp == 0 and "none" in acc:
                     row["identical_to_plain_greedy"] = a["outs"] == acc["none"]["outs"]
                 rows.append(row)

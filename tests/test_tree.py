@@ -1,15 +1,16 @@
 """Tree verification (chapter 07): the mask and positions give every node exactly the logits a
 separate forward over its own branch gives; the accepted branch's K/V, compacted, continue
-decoding exactly; the tree walk's output distribution equals the target's (by enumeration on a
-tiny vocabulary, and the sampler agrees with the enumeration); bad trees raise ValueError."""
+decoding exactly; the tree walk's output distribution equals the target's, for sampled and for
+deterministic (top-ranked, one-hot) children (by enumeration on a tiny vocabulary, and the
+sampler agrees with the enumeration); bad trees raise ValueError."""
 import pytest
 import torch
 
 from minillm.cache.contiguous import ContiguousKVCache
 from minillm.spec import theory
 from minillm.spec.tree import (accept_walk, compact, depths, masked_attention,
-                               masked_attention_reference, tree_forward, tree_mask,
-                               tree_round_outcomes)
+                               masked_attention_reference, static_tree_outcomes, tree_forward,
+                               tree_mask, tree_round_outcomes)
 
 from test_engine_modes import tiny_model
 
@@ -141,6 +142,90 @@ def test_sampler_agrees_with_the_enumeration():
     assert set(counts) <= set(want)
 
 
+def _ranked_tree(q, branches, depth, side):
+    """A deterministic tree as EAGLE drafts it: q's top `branches` tokens at the root, the first
+    continued by argmax to `depth`, the others to `side`."""
+    def draft(prefix):
+        tokens, parents = [0], [-1]
+        for i, t in enumerate(q(prefix).double().argsort(descending=True)[:branches].tolist()):
+            parent, pre = 0, prefix
+            for _d in range(depth if i == 0 else side):
+                tokens.append(t)
+                parents.append(parent)
+                parent, pre = len(tokens) - 1, pre + (t,)
+                t = int(q(pre).argmax())
+        return tokens, parents
+    return draft
+
+
+@pytest.mark.parametrize("branches,depth,side", [(2, 1, 1), (2, 2, 1), (3, 2, 2), (1, 2, 2)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_deterministic_tree_walk_is_exact_by_enumeration(branches, depth, side, seed):
+    """Top-ranked children verified as one-hot drafts (what tree_generate does when sampling):
+    the sequences emitted over rounds have the target's distribution, also when the drafter
+    ranks a token the target gives zero probability, and with a repeated sibling."""
+    V, length = 4, 3
+    p = theory.random_tree(V, seed, zeros=0.3)
+    q = theory.random_tree(V, seed + 100)
+    drafts = [_ranked_tree(q, branches, depth, side),
+              lambda prefix: ([0, 2, 2, 1], [-1, 0, 0, 2])]                # token 2 twice
+    for draft in drafts:
+        out: dict = {}
+
+        def grow(prefix, prob):
+            if len(prefix) >= length:
+                out[prefix[:length]] = out.get(prefix[:length], 0.0) + prob
+                return
+            for emitted, pr in static_tree_outcomes(p, draft, prefix).items():
+                grow(prefix + emitted, prob * pr)
+
+        grow((), 1.0)
+        assert theory.max_abs_difference(out, theory.target_sequence_distribution(p, V, length)) \
+            < 1e-9
+
+
+def test_deterministic_enumeration_can_fail():
+    """The enumeration above notices a walk that forgets to remove a rejected token: with the
+    rejected sibling left in the target's distribution, the outcome is no longer the target's."""
+    V = 3
+    p = theory.random_tree(V, 3)
+    want = theory.target_sequence_distribution(p, V, 1)
+    draft = lambda prefix: ([0, 0, 1], [-1, 0, 0])                          # noqa: E731
+    right = {e[:1]: 0.0 for e in static_tree_outcomes(p, draft)}
+    for e, pr in static_tree_outcomes(p, draft).items():
+        right[e[:1]] += pr
+    assert theory.max_abs_difference(right, want) < 1e-12
+    p0 = p(()).double()                                                      # the planted bug:
+    wrong = {(x,): p0[0] * (x == 0) + (1 - p0[0]) * p0[1] * (x == 1)         # no removal
+             + (1 - p0[0]) * (1 - p0[1]) * p0[x] for x in range(V)}
+    assert theory.max_abs_difference({k: float(v) for k, v in wrong.items()}, want) > 1e-3
+
+
+def test_sampler_agrees_with_the_deterministic_enumeration():
+    """accept_walk with one-hot children (draft_probs None), run many times, matches
+    static_tree_outcomes."""
+    V = 4
+    p = theory.random_tree(V, 6)
+    q = theory.random_tree(V, 7)
+    draft = _ranked_tree(q, 2, 2, 1)
+    tokens, parents = draft(())
+    want = static_tree_outcomes(p, draft)
+    pre = [()]
+    for i in range(1, len(tokens)):
+        pre.append(pre[parents[i]] + (tokens[i],))
+    tp = torch.stack([p(x) for x in pre])
+    g = torch.Generator().manual_seed(0)
+    counts: dict = {}
+    n = 6000
+    for _ in range(n):
+        emitted, _ = accept_walk(tp, tokens, parents, generator=g)
+        counts[tuple(emitted)] = counts.get(tuple(emitted), 0) + 1
+    for key, pr in want.items():
+        sd = (pr * (1 - pr) / n) ** 0.5
+        assert abs(counts.get(key, 0) / n - pr) < 5 * sd + 1e-3, key
+    assert set(counts) <= set(want)
+
+
 @pytest.mark.parametrize("parents,match", [([0, 0], "parents\\[0\\] must be -1"),
                                            ([-1, 1], "earlier node"),
                                            ([-1, 0, 3, 1], "earlier node")])
@@ -201,3 +286,74 @@ def test_runner_up_branches_cut_to_side_depth(model):
     for bad in (0, 5, 1.0, True):
         with pytest.raises(ValueError, match="side_depth"):
             draft_tree(drafter, model, new_state(drafter, 32), ids, feats, 4, 2, side_depth=bad)
+
+
+def _oracle_tree(model):
+    """draft_tree's stand-in for the sampled tests: the target's own top tokens (from a full
+    forward), so most branches are accepted and the accept path runs, not only rejections."""
+    def draft(drafter, m, state, token_ids, features, k, branches, reduced, side_depth):
+        d = k if side_depth is None else side_depth
+        top = model(torch.tensor([token_ids]))[0, -1].topk(branches).indices.tolist()
+        tokens, parents = [token_ids[-1]], [-1]
+        for i, t in enumerate(top):
+            parent, ctx = 0, list(token_ids)
+            for _depth in range(k if i == 0 else d):
+                tokens.append(t)
+                parents.append(parent)
+                parent, ctx = len(tokens) - 1, ctx + [t]
+                t = int(model(torch.tensor([ctx]))[0, -1].argmax())
+        return tokens, parents
+    return draft
+
+
+def test_sampled_tree_decoding_with_top_k_1_equals_greedy(model):
+    """temperature 1 with top_k 1 is greedy through the SAMPLED walk (target probabilities,
+    one-hot children, the generator): the same tokens as plain greedy decoding."""
+    import minillm
+    from minillm import SamplingParams
+    from minillm.spec import EagleDrafter, EagleProposer
+    from minillm.spec.loop import tree_generate
+    torch.manual_seed(1)
+    proposer = EagleProposer(model, EagleDrafter.for_model(model), 3)
+    for prompt in ([5, 9, 2], [1, 1, 1, 1, 1, 1, 7]):
+        ref = minillm.generate(model, None, prompt, max_new_tokens=16,
+                               sampling=SamplingParams(temperature=0.0, max_tokens=16))
+        sp = SamplingParams(temperature=1.0, top_k=1, max_tokens=16, seed=3)
+        assert tree_generate(model, None, prompt, proposer, 3, 16, 2, sampling=sp) == ref
+
+
+@pytest.mark.parametrize("drafter", ["random", "oracle"])
+def test_sampled_tree_decoding_has_the_targets_distribution(model, drafter, monkeypatch):
+    """The first three tokens of tree_generate at temperature 1 (top_k 3: 27 outcomes), over
+    1200 seeds, against their exact probabilities from the target (chi-square p > 1e-3), with
+    a random drafter (mostly rejections) and one that ranks by the target (mostly accepts)."""
+    from minillm import SamplingParams
+    from minillm.spec import EagleDrafter, EagleProposer, SpecStats
+    from minillm.spec import eagle as eagle_mod
+    from minillm.spec.loop import tree_generate
+    from minillm.sampling import probs
+    torch.manual_seed(1)
+    proposer = EagleProposer(model, EagleDrafter.for_model(model), 2)
+    if drafter == "oracle":
+        monkeypatch.setattr(eagle_mod, "draft_tree", _oracle_tree(model))
+    prompt, n = [5, 9, 2, 4], 1200
+    sp = dict(temperature=1.0, top_k=3, max_tokens=3)
+    pr = lambda ctx: probs(model(torch.tensor([prompt + list(ctx)]))[0, -1:],   # noqa: E731
+                           SamplingParams(**sp))[0].double().detach()
+    want = {}
+    p0 = pr(())
+    for a in p0.nonzero().flatten().tolist():
+        p1 = pr((a,))
+        for b in p1.nonzero().flatten().tolist():
+            p2 = pr((a, b))
+            for c in p2.nonzero().flatten().tolist():
+                want[(a, b, c)] = float(p0[a] * p1[b] * p2[c])
+    counts, st = {}, SpecStats()
+    for seed in range(n):
+        out = tree_generate(model, None, prompt, proposer, 2, 3, 2, stats=st,
+                            sampling=SamplingParams(**sp, seed=seed))
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    stat, pval = theory.chi_square(counts, want)
+    assert pval > 1e-3, (stat, pval)
+    if drafter == "oracle":
+        assert st.acceptance_rate > 0.3                     # the accept path did run

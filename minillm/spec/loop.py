@@ -24,7 +24,7 @@ from ..cache.contiguous import ContiguousKVCache
 from ..engine.spec_decode import Draft, DraftRequest, check_drafts
 from ..generate import _check_room, encode_prompt, eos_token_id, stop_reason
 from ..model import capture_features, capture_hidden
-from ..sampling import SamplingParams, make_generator, sample
+from ..sampling import SamplingParams, make_generator, probs, sample
 from .rejection import verify
 from .stats import SpecStats
 
@@ -97,12 +97,17 @@ def speculative_generate(model, tok, prompt, proposer=None, num_speculative_toke
 @torch.inference_mode()
 def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
                   max_new_tokens: int = 32, branches: int = 2,
-                  stats: Optional[SpecStats] = None, side_depth: Optional[int] = None) -> list:
-    """Greedy decoding with EAGLE TREE drafts (tree.py), batch 1: the drafter's top `branches`
-    first tokens, the first continued to depth k and the others to `side_depth` (default k;
+                  stats: Optional[SpecStats] = None, side_depth: Optional[int] = None,
+                  sampling: Optional[SamplingParams] = None) -> list:
+    """Decoding with EAGLE TREE drafts (tree.py), batch 1: the drafter's top `branches` first
+    tokens, the first continued to depth k and the others to `side_depth` (default k;
     `eagle.draft_tree`), verified in ONE target forward with the tree mask and per-node
-    positions; the longest branch the target agrees with is kept (its K/V compacted, the rest
-    dropped). The same new token ids as plain greedy decoding."""
+    positions; the longest branch the target accepts is kept (its K/V compacted, the rest
+    dropped). Greedy (sampling None or temperature 0): the same new token ids as plain greedy
+    decoding. Sampled: the tree is still the drafter's top-ranked tokens, a deterministic
+    function of the context, so each child is a one-hot draft: `accept_walk` accepts it with
+    the target's probability and otherwise removes it from the target's distribution before the
+    next sibling (exact at any temperature: `static_tree_outcomes`)."""
     from .eagle import draft_tree, new_state
     from .tree import accept_walk, compact, tree_forward
     stats = stats if stats is not None else SpecStats()
@@ -113,11 +118,12 @@ def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
     _check_room(model, T, max_new_tokens + branches * k)
     cache = ContiguousKVCache(model.config, 1, T + max_new_tokens + branches * k + 1,
                               dtype=model.dtype, device=model.device)
-    eos, sampling = eos_token_id(tok), SamplingParams(temperature=0.0)
+    sampling = sampling or SamplingParams(temperature=0.0)
+    eos, gen = eos_token_id(tok), make_generator(sampling.seed, model.device)
     with capture_features(model) as fcap:
         logits = model(input_ids, cache=cache, last_only=True)     # prefill [1, 1, V]
     feats = model.norm(fcap.value[0])                              # [T, C]
-    out = [int(logits[0, -1].argmax())]
+    out = [int(sample(logits[:, -1], sampling, gen))]
     tokens = input_ids[0].tolist() + out
     state = new_state(proposer.drafter, T + max_new_tokens + k + 1)
     stats.num_target_forwards += 1
@@ -135,7 +141,11 @@ def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
         with capture_features(model) as fcap:
             logits = tree_forward(model, cache, nodes, parents)     # [n, V]
         stats.num_target_forwards += 1
-        emitted, path = accept_walk(logits, nodes, parents, greedy=True)
+        if sampling.greedy:
+            emitted, path = accept_walk(logits, nodes, parents, greedy=True)
+        else:                                                      # one-hot drafts: q None
+            emitted, path = accept_walk(probs(logits, sampling), nodes, parents,
+                                        generator=gen)
         stats.record(kk, len(emitted) - 1)
         compact(cache, start, path)
         feats = model.norm(fcap.value[0, path])                    # [len(path), C]

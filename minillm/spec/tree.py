@@ -25,6 +25,14 @@ it; when all are rejected, sample from the last residual and stop. Each try is o
 rejection step, so the emitted token is distributed as p (proved by enumeration in
 `tree_round_outcomes`, tests/test_tree.py).
 
+EAGLE's trees are not drawn at random: they are the drafter's top-ranked tokens, a deterministic
+function of the context. Each child is then a one-hot draft (draft_probs None): accept it with
+the target's probability p(x); on a rejection the residual is p with x removed, renormalised,
+and the next sibling is tried against that. Emitting a sibling's token x2 then has probability
+(1 - p(x1)) * p(x2) / (1 - p(x1)) = p(x2), and the final draw covers the rest, so this walk is
+exact too (`static_tree_outcomes`), with no draft probabilities to carry and no sampling in the
+drafter; it accepts x with p(x) where a sampled draft gets min(p, q) summed over x.
+
 The Triton prefill kernel would need the same two inputs: per-token positions (it already
 takes them from StepMetadata) and, in place of its causal test `k_pos <= q_pos`, a per-query
 ancestor bitmask (n <= 64 nodes fit one int64 per query) ANDed in for the keys of the tree's
@@ -221,6 +229,37 @@ def tree_round_outcomes(p: Dist, q: Dist, branching: tuple, prefix: tuple = ()) 
     return out
 
 
+def static_tree_outcomes(p: Dist, draft: Callable, prefix: tuple = ()) -> dict:
+    """{emitted tokens: probability} of one round whose tree is a deterministic function of the
+    context, draft(prefix) -> (tokens, parents) (node 0 the root; its token is not used), each
+    child a one-hot draft: tried in order, accepted with the current target probability of its
+    token, which is otherwise removed from the target's distribution (renormalised); when no
+    child is accepted, one token is drawn from what is left. Enumerated from these formulas."""
+    tokens, parents = draft(tuple(prefix))
+    check_tree(parents)
+    kids, out = children_of(parents), {}
+
+    def node(i: int, pre: tuple, emitted: tuple, prob: float):
+        pt = p(pre).double()
+        for c in kids[i]:
+            x = tokens[c]
+            acc = float(pt[x])
+            if acc > 0:
+                node(c, pre + (x,), emitted + (x,), prob * acc)
+            if acc >= 1:
+                return                                        # no mass left to reject into
+            prob *= 1 - acc
+            pt = pt.clone()
+            pt[x] = 0
+            pt = pt / pt.sum()
+        for x in range(len(pt)):
+            if pt[x] > 0:
+                out[emitted + (x,)] = out.get(emitted + (x,), 0.0) + prob * float(pt[x])
+
+    node(0, tuple(prefix), (), 1.0)
+    return out
+
+
 __all__ = ["tree_mask", "depths", "children_of", "TreeCache", "tree_forward", "compact",
-           "accept_walk", "tree_round_outcomes", "masked_attention", "masked_attention_reference",
-           "check_tree"]
+           "accept_walk", "tree_round_outcomes", "static_tree_outcomes", "masked_attention",
+           "masked_attention_reference", "check_tree"]
