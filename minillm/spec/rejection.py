@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..sampling import SamplingParams, probs, sample
+from ..sampling import SamplingParams, draw_from, probs, sample
 
 
 def _check(target_probs: torch.Tensor, draft_token_ids, draft_probs) -> tuple:
@@ -85,9 +85,9 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: Sequence[int],
             emitted.append(d)
             continue
         r = residual(p, q)
-        emitted.append(int(torch.multinomial(r.float(), 1, generator=generator)))
+        emitted.append(int(draw_from(r[None], generator)))
         return emitted
-    emitted.append(int(torch.multinomial(p_all[k].float(), 1, generator=generator)))  # bonus
+    emitted.append(int(draw_from(p_all[k][None], generator)))             # bonus
     return emitted
 
 

@@ -46,6 +46,7 @@ from typing import Callable, Optional
 import torch
 
 from ..cache.contiguous import ContiguousKVCache
+from ..sampling import draw_from
 from .rejection import residual
 
 
@@ -176,7 +177,7 @@ def accept_walk(target_probs: torch.Tensor, tokens: list, parents: list,
                     break
                 p = residual(p, q)
             if nxt is None:
-                return emitted + [int(torch.multinomial(p.float(), 1, generator=generator))], path
+                return emitted + [int(draw_from(p[None], generator))], path
         emitted.append(tokens[nxt])
         path.append(nxt)
         node = nxt
