@@ -311,9 +311,19 @@ def draw_from(p: torch.Tensor, generator: Optional[torch.Generator] = None) -> t
     CDF: u uniform in [0, row sum), then the first index whose running sum exceeds u. A token of
     probability 0 adds nothing to the running sum, so it is never the first to exceed u. The
     same distribution as torch.multinomial(p, 1), which on the course's 2-core Xeon took
-    0.89 ms for one row of 49,152 against 0.05 ms for this (per sampled row, every step)."""
+    0.88 ms for one row of 49,152 against 0.07 ms for this (per sampled row, every step).
+    A row with a negative, NaN or infinite entry, or nothing but zeros, raises ValueError (as
+    multinomial refuses it) rather than return an id outside the row. A single row [V] gives a
+    0-d id."""
+    if p.dim() == 1:
+        return draw_from(p[None], generator)[0]
     c = p.double().cumsum(dim=-1)                                       # [R, V]
     total = c[:, -1:]                                                   # [R, 1]
+    if not (bool(torch.isfinite(total).all()) and bool((total > 0).all())
+            and float(p.min()) >= 0):
+        raise ValueError("cannot draw from these probabilities: every row needs non-negative, "
+                         "finite entries with a positive sum (NaN logits, or a mask that left "
+                         "no token, give rows that fail this)")
     u = torch.rand(p.shape[0], 1, generator=generator, device=p.device,
                    dtype=torch.float64) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))   # u < total always

@@ -211,3 +211,17 @@ def test_draw_from_never_draws_a_zero_at_the_top_of_the_range(monkeypatch):
     p = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, 1, dtype=torch.float64))
     assert int(draw_from(p)) == 1
+
+
+@pytest.mark.parametrize("row", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5],
+                                 [0.5, float("inf"), 0.0], [0.7, -0.2, 0.5]])
+def test_draw_from_refuses_rows_it_cannot_draw_from(row):
+    """A row of zeros, a NaN or an infinity (NaN logits, a mask that left nothing) or a negative
+    entry raises, as torch.multinomial did, instead of returning an id past the row's end."""
+    from minillm.sampling import draw_from
+    good = [0.2, 0.3, 0.5]
+    with pytest.raises(ValueError, match="cannot draw from these probabilities"):
+        draw_from(torch.tensor([good, row]))
+    assert 0 <= int(draw_from(torch.tensor([good]))) < 3
+    one = draw_from(torch.tensor(good))                     # a single row [V]: a 0-d id
+    assert one.dim() == 0 and 0 <= int(one) < 3
