@@ -104,16 +104,7 @@ def test_tree_rejection_sampling_is_exact_by_enumeration(branching, seed):
     V, length = 3, 3
     p = theory.random_tree(V, seed, zeros=0.2)
     q = theory.random_tree(V, seed + 100, zeros=0.2)
-    out: dict = {}
-
-    def grow(prefix, prob):
-        if len(prefix) >= length:
-            out[prefix[:length]] = out.get(prefix[:length], 0.0) + prob
-            return
-        for emitted, pr in tree_round_outcomes(p, q, branching, prefix).items():
-            grow(prefix + emitted, prob * pr)
-
-    grow((), 1.0)
+    out = theory.rounds_distribution(lambda pre: tree_round_outcomes(p, q, branching, pre), length)
     want = theory.target_sequence_distribution(p, V, length)
     assert theory.max_abs_difference(out, want) < 1e-9
 
@@ -169,19 +160,10 @@ def test_deterministic_tree_walk_is_exact_by_enumeration(branches, depth, side, 
     q = theory.random_tree(V, seed + 100)
     drafts = [_ranked_tree(q, branches, depth, side),
               lambda prefix: ([0, 2, 2, 1], [-1, 0, 0, 2])]                # token 2 twice
+    want = theory.target_sequence_distribution(p, V, length)
     for draft in drafts:
-        out: dict = {}
-
-        def grow(prefix, prob):
-            if len(prefix) >= length:
-                out[prefix[:length]] = out.get(prefix[:length], 0.0) + prob
-                return
-            for emitted, pr in static_tree_outcomes(p, draft, prefix).items():
-                grow(prefix + emitted, prob * pr)
-
-        grow((), 1.0)
-        assert theory.max_abs_difference(out, theory.target_sequence_distribution(p, V, length)) \
-            < 1e-9
+        out = theory.rounds_distribution(lambda pre: static_tree_outcomes(p, draft, pre), length)
+        assert theory.max_abs_difference(out, want) < 1e-9
 
 
 def test_deterministic_enumeration_can_fail():

@@ -104,13 +104,20 @@ def _add(d: dict, key, value: float) -> None:
 def sequence_distribution(p: Dist, q: Dist, k: int, length: int) -> dict:
     """Distribution of the first `length` tokens speculative decoding emits (as many rounds as
     it takes), by enumeration: {tuple of `length` ids: probability}."""
+    return rounds_distribution(lambda prefix: round_outcomes(p, q, k, prefix), length)
+
+
+def rounds_distribution(one_round: Callable, length: int) -> dict:
+    """{first `length` tokens: probability} when rounds repeat, each round's outcomes given by
+    one_round(prefix) -> {emitted tokens: probability} (a chain's `round_outcomes`, a tree's
+    `tree.tree_round_outcomes` / `tree.static_tree_outcomes`), by enumeration."""
     out: dict = {}
 
     def grow(prefix: tuple, prob: float):
         if len(prefix) >= length:
             _add(out, prefix[:length], prob)
             return
-        for emitted, pr in round_outcomes(p, q, k, prefix).items():
+        for emitted, pr in one_round(prefix).items():
             grow(prefix + emitted, prob * pr)
 
     grow((), 1.0)
