@@ -133,18 +133,19 @@ def test_sampler_agrees_with_the_enumeration():
     assert set(counts) <= set(want)
 
 
-def _ranked_tree(q, branches, depth, side):
-    """A deterministic tree as EAGLE drafts it: q's top `branches` tokens at the root, the first
-    continued by argmax to `depth`, the others to `side`."""
+def _ranked_tree(scores, branches, depth, side, root=0):
+    """A deterministic tree as EAGLE drafts it, from scores(prefix) -> [V]: the top `branches`
+    tokens at the root, the first continued by argmax to `depth`, the others to `side`.
+    Returns draft(prefix) -> (tokens, parents), node 0 the root (token `root`)."""
     def draft(prefix):
-        tokens, parents = [0], [-1]
-        for i, t in enumerate(q(prefix).double().argsort(descending=True)[:branches].tolist()):
+        tokens, parents = [root], [-1]
+        for i, t in enumerate(scores(prefix).topk(branches).indices.tolist()):
             parent, pre = 0, prefix
             for _d in range(depth if i == 0 else side):
                 tokens.append(t)
                 parents.append(parent)
                 parent, pre = len(tokens) - 1, pre + (t,)
-                t = int(q(pre).argmax())
+                t = int(scores(pre).argmax())
         return tokens, parents
     return draft
 
@@ -274,17 +275,9 @@ def _oracle_tree(model):
     """draft_tree's stand-in for the sampled tests: the target's own top tokens (from a full
     forward), so most branches are accepted and the accept path runs, not only rejections."""
     def draft(drafter, m, state, token_ids, features, k, branches, reduced, side_depth):
-        d = k if side_depth is None else side_depth
-        top = model(torch.tensor([token_ids]))[0, -1].topk(branches).indices.tolist()
-        tokens, parents = [token_ids[-1]], [-1]
-        for i, t in enumerate(top):
-            parent, ctx = 0, list(token_ids)
-            for _depth in range(k if i == 0 else d):
-                tokens.append(t)
-                parents.append(parent)
-                parent, ctx = len(tokens) - 1, ctx + [t]
-                t = int(model(torch.tensor([ctx]))[0, -1].argmax())
-        return tokens, parents
+        nxt = lambda pre: model(torch.tensor([list(token_ids) + list(pre)]))[0, -1]  # noqa: E731
+        return _ranked_tree(nxt, branches, k, k if side_depth is None else side_depth,
+                            root=token_ids[-1])(())
     return draft
 
 
