@@ -51,13 +51,17 @@ class OracleEagle(EagleProposer):
     hands over against a no-cache forward of the target."""
     reference: dict = {}
     checked = [0]
+    wrong_features: list = []
 
     def propose(self, requests):
         for r in requests:
             if r.features is not None:
                 ids, m = list(r.token_ids), r.features.shape[0]
                 want = hidden_states(self.model, torch.tensor([ids[:-1]]))[0, -m:]
-                torch.testing.assert_close(r.features, want, atol=1e-4, rtol=1e-4)
+                # recorded, not asserted here: the engine treats a proposer's exception as
+                # "no drafts this step" and would carry on
+                if not torch.allclose(r.features, want, atol=1e-4, rtol=1e-4):
+                    self.wrong_features.append(len(ids))
                 self.checked[0] += 1
         return super().propose(requests)
 
@@ -89,6 +93,7 @@ def test_greedy_eagle_equals_sequential(model, drafter, workload, mode, monkeypa
     prompts, max_tokens, expected = workload
     OracleEagle.reference = {tuple(p): r for p, r in zip(prompts, expected)}
     OracleEagle.checked[0] = 0
+    OracleEagle.wrong_features.clear()
     monkeypatch.setitem(PROPOSERS, "eagle", OracleEagle)
     kw = dict(num_kv_blocks=400, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
     kw.update(MODES[mode])
@@ -100,7 +105,7 @@ def test_greedy_eagle_equals_sequential(model, drafter, workload, mode, monkeypa
     check_invariants(engine)
     st = engine.spec_decode_stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens     # both accepts and rejects
-    assert OracleEagle.checked[0] > 0                           # features did arrive
+    assert OracleEagle.checked[0] > 0 and OracleEagle.wrong_features == []   # the target's
 
 
 @pytest.mark.parametrize("draft_dtype", [None, "bfloat16"])

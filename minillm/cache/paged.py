@@ -34,6 +34,7 @@ import torch
 
 from .. import kernels
 from ..configs import ModelConfig
+from ..kernels.kv_quant import as_bytes
 from .blocks import BlockManager
 
 # kv_cache_dtype -> the cache tensors' dtype ("auto": the model's own)
@@ -82,6 +83,8 @@ class StepMetadata:
     cu_seqlens_q  [0, 1, 5, 6]   sequence b owns query rows cu[b] : cu[b + 1]   [B + 1]
     seq_lens      [8, 4, 13]     keys each sequence attends over, this step's included   [B]
     block_tables  [B, max_blocks] each sequence's blocks, padded with 0
+    tree_masks    per sequence, None or the [n, n] ancestor mask of a TREE of n query tokens
+                  (chapter 07: speculative tree drafts; positions then hold each node's depth)
     """
     positions: torch.Tensor                 # [T] int64
     cu_seqlens_q: torch.Tensor              # [B + 1] int32
@@ -89,6 +92,7 @@ class StepMetadata:
     slot_mapping: Optional[torch.Tensor]    # [T] int64 (None: built without block tables)
     block_tables: Optional[torch.Tensor]    # [B, max_blocks] int32
     is_decode_only: bool                    # every sequence brings one token: the decode kernel
+    tree_masks: Optional[tuple] = None      # [B] of None | [n, n] bool (PyTorch path only)
 
     @property
     def num_tokens(self) -> int:
@@ -213,7 +217,20 @@ class PagedKVCache:
             raise ValueError(f"the forward brings {q_flat.shape[0]} tokens but the step was set "
                              f"up for {meta.num_tokens}")
         k_cache, v_cache = self.k[layer], self.v[layer]           # [num_blocks, bs, KVH, D]
-        if self._checked and kernels.choose_impl(self.impl, self.device) == "torch":
+        torch_path = kernels.choose_impl(self.impl, self.device) == "torch"
+        if meta.tree_masks is not None and not self._checked:    # a tree: the plan's masks
+            if not torch_path:
+                raise ValueError("tree verification (speculative tree drafts) runs on the "
+                                 "PyTorch attention path only (impl='torch', the CPU's): the "
+                                 "Triton prefill kernel has no tree mask; use chain drafts")
+            num_blocks, bs = k_cache.shape[:2]                   # the public kernels' checks
+            kernels.checks.raise_failed({
+                **kernels.checks.table_conditions(meta.block_tables, meta.seq_lens, num_blocks,
+                                                  bs),
+                "slot_mapping has a slot outside the pool":
+                    ((meta.slot_mapping >= -1) & (meta.slot_mapping < num_blocks * bs)).all()})
+            self._checked = True
+        if self._checked and torch_path:
             # The first layer checked this step's tensors through the public kernels; the
             # others reuse one plan (store slots, key slots, masks) of the batched CPU path.
             if self._plan is None:
@@ -242,10 +259,24 @@ class PagedKVCache:
         if meta.is_decode_only:
             return kernels.batched.plan_decode(meta.block_tables, meta.seq_lens, self.block_size)
         return kernels.batched.plan_prefill(meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-                                            self.block_size)
+                                            self.block_size, meta.tree_masks)
 
     def advance(self, num_tokens: int) -> None:
         self._meta = None                                 # the next forward needs a new step
+
+    def compact(self, block_ids, start: int, path: list) -> None:
+        """Keep a verified tree's accepted branch (chapter 07): node path[d], written at index
+        start + path[d] of the sequence with block_ids, moves to index start + d in every layer
+        (path[d] >= d: nodes come parents first). What lies past it is rolled back as usual."""
+        moves = [(start + p, start + d) for d, p in enumerate(path) if p != d]
+        if not moves:
+            return
+        bs = self.block_size
+        src, dst = ([block_ids[i // bs] * bs + i % bs for i in idx] for idx in zip(*moves))
+        src, dst = (torch.tensor(x, device=self.device) for x in (src, dst))
+        for pool in (self.k, self.v):
+            flat = as_bytes(pool).view(pool.shape[0], -1, *pool.shape[3:])  # [L, slots, KVH, D]
+            flat[:, dst] = flat[:, src]
 
     # -- block copies ---------------------------------------------------------------------------
     def copy_blocks(self, pairs) -> None:

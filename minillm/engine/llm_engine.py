@@ -346,7 +346,7 @@ class LLMEngine:
         change speed, never output, so a proposer error costs nothing but the drafts."""
         live = [req for req, _ in update.emitted if not req.is_finished]
         for req in live:                        # the drafts just verified are spent
-            req.spec_token_ids, req.spec_draft_probs = [], None
+            req.spec_token_ids, req.spec_draft_probs, req.spec_tree_parents = [], None, None
         live = [req for req in live if req.params.allows_drafts]   # no penalties, no grammar
         if not live or self.proposer.num_speculative_tokens == 0:
             return
@@ -357,7 +357,8 @@ class LLMEngine:
         todo = [(req, k) for req, k in todo if k > 0]
         asks = [DraftRequest(req.prompt_token_ids + req.output_token_ids, k, req.params,
                              req.generator, hidden.get(req.seq_id), req.draft_state,
-                             (features or {}).get(req.seq_id))
+                             (features or {}).get(req.seq_id),
+                             max_nodes=ctx - req.num_tokens)      # a tree's slots: the context
                 for req, k in todo]
         try:
             drafts = check_drafts(asks, self.proposer.propose(asks), self.proposer)
@@ -367,6 +368,7 @@ class LLMEngine:
             req.spec_token_ids = list(d.token_ids) if d is not None else []
             req.spec_draft_probs = d.probs if d is not None else None
             req.draft_state = d.state if d is not None else None
+            req.spec_tree_parents = d.parents if d is not None else None
 
     def _finished_ids(self, reqs: list, already: list) -> list:
         """Request ids whose every sample has now finished (each once)."""

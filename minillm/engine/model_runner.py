@@ -27,6 +27,7 @@ reading them first is safe.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ from ..kvmath import kv_bytes_per_token
 from ..model import capture_features, capture_hidden, prepack
 from ..sampling import apply_penalties, greedy_ids, sample, token_logprobs
 from .cuda_graphs import build_graph_runner
-from .spec_decode import verify
+from .spec_decode import verify, verify_tree
 
 # num_kv_blocks=None sizes the pool from memory:
 CUDA_KV_FRACTION = 0.5          # of the GPU memory still free after the weights are loaded
@@ -73,6 +74,8 @@ class ModelRunnerOutput:
     logprobs: dict = field(default_factory=dict)     # seq_id -> [{id: (logprob, rank)}] per
                                                      # sampled token (SamplingParams.logprobs)
     prompt_logprobs: dict = field(default_factory=dict)   # seq_id -> (first position, [{...}])
+    paths: dict = field(default_factory=dict)        # seq_id -> the tree nodes a tree
+                                                     # verification kept, root first (chapter 07)
 
 
 @dataclass
@@ -125,6 +128,10 @@ class ModelRunner:
         self._process_logits(logits, samplers, out)
         self._sample(logits, samplers, hidden, out)
         self._sampled_logprobs(raw, samplers, out)
+        for req, _, _ in samplers:              # a tree keeps one branch: its K/V move to the
+            if req.seq_id in out.paths and req.seq_id in out.sampled:   # slots after the context
+                self.cache.compact(req.kv.block_ids, req.num_computed_tokens,
+                                   out.paths[req.seq_id])
         if feats.value is not None:
             self._features(sched.scheduled, feats.value[0], out)
         return out
@@ -138,12 +145,18 @@ class ModelRunner:
             k = req.num_computed_tokens + n - req.num_tokens          # drafts verified
             if k >= 0 and req.seq_id in out.sampled:
                 kept = n - k + len(out.sampled[req.seq_id]) - 1
-                out.features[req.seq_id] = self.model.norm(x[offset:offset + kept])   # [m, C]
+                rows = x[offset:offset + kept]                                    # [m, C]
+                if req.seq_id in out.paths:     # a tree: the rows before it, then the branch
+                    root = offset + n - k - 1
+                    path = torch.tensor(out.paths[req.seq_id], device=x.device)
+                    rows = torch.cat((x[offset:root], x[root + path]))
+                out.features[req.seq_id] = self.model.norm(rows)
             offset += n
 
     def prepare(self, scheduled) -> StepInputs:
         """Flatten [(request, num_new_tokens)] into the step's tensors (built once per step)."""
         ids, spans, tables, rows, samplers, extra = [], [], [], [], [], []
+        trees = {}                               # sequence index -> its tree's parents
         for req, n in scheduled:
             c = req.num_computed_tokens
             self._prompt_rows(req, c, n, len(ids), extra)
@@ -154,15 +167,32 @@ class ModelRunner:
             if k >= 0:                           # the step reaches its last token: sample
                 samplers.append((req, len(rows), k))
                 rows.extend(range(len(ids) - 1 - k, len(ids)))
+                if k and req.spec_tree_parents is not None:   # the budget may cut a tree's
+                    trees[len(spans) - 1] = req.spec_tree_parents[:k + 1]   # last nodes
         prompt_rows = []                        # prompt-logprob rows go after the sampled ones
         for req, first_id, pos, count in extra:
             prompt_rows.append((req, len(rows), pos, count))
             rows.extend(range(first_id, first_id + count))
         dev = self.device
-        return StepInputs(torch.tensor([ids], dtype=torch.long, device=dev),
-                          build_step_metadata(spans, tables, self.block_size, dev),
+        meta = build_step_metadata(spans, tables, self.block_size, dev)
+        if trees:
+            meta = self._tree_metadata(meta, spans, trees)
+        return StepInputs(torch.tensor([ids], dtype=torch.long, device=dev), meta,
                           torch.tensor(rows, dtype=torch.long, device=dev), samplers,
                           prompt_rows)
+
+    @staticmethod
+    def _tree_metadata(meta, spans, trees: dict):
+        """A tree's n nodes sit in slots c .. c + n - 1 but at positions c + depth (siblings
+        share one), and each sees the context and its own ancestors only (spec/tree.py)."""
+        from ..spec.tree import depths, tree_mask
+        positions, masks, offset = meta.positions.clone(), [None] * len(spans), 0
+        for b, (c, n) in enumerate(spans):
+            if b in trees:
+                positions[offset:offset + n] = torch.tensor([c + d for d in depths(trees[b])])
+                masks[b] = tree_mask(trees[b]).to(positions.device)           # [n, n]
+            offset += n
+        return dataclasses.replace(meta, positions=positions, tree_masks=tuple(masks))
 
     @staticmethod
     def _prompt_rows(req, c: int, n: int, offset: int, extra: list) -> None:
@@ -277,7 +307,8 @@ class ModelRunner:
                 continue
             if req.seq_id in raw:
                 lp, k = raw[req.seq_id], req.params.logprobs
-                out.logprobs[req.seq_id] = [token_logprobs(lp[i], t, k)
+                at = out.paths.get(req.seq_id, range(len(toks)))   # each token's own row
+                out.logprobs[req.seq_id] = [token_logprobs(lp[at[i]], t, k)
                                             for i, t in enumerate(toks)]
 
     def _sample(self, logits, samplers, hidden, out: ModelRunnerOutput) -> None:
@@ -299,12 +330,20 @@ class ModelRunner:
             if req.seq_id not in out.sampled and req.seq_id not in out.errors:
                 self._sample_one(logits, req, row, k, out)
             if hidden is not None and req.seq_id in out.sampled:
-                out.hidden[req.seq_id] = hidden[row + len(out.sampled[req.seq_id]) - 1]   # [C]
+                last = len(out.sampled[req.seq_id]) - 1
+                last = out.paths[req.seq_id][last] if req.seq_id in out.paths else last
+                out.hidden[req.seq_id] = hidden[row + last]                           # [C]
 
     @staticmethod
     def _sample_one(logits, req, row: int, k: int, out: ModelRunnerOutput) -> None:
         try:
-            if k:
+            if k and req.spec_tree_parents is not None:       # a tree (chapter 07)
+                nodes = req.token_ids(req.num_tokens - 1, req.num_tokens) + req.spec_token_ids[:k]
+                out.sampled[req.seq_id], out.paths[req.seq_id] = verify_tree(
+                    logits[row:row + 1 + k], nodes, req.spec_tree_parents[:k + 1], req.params,
+                    req.generator)
+                out.num_drafts[req.seq_id] = k
+            elif k:
                 probs = req.spec_draft_probs
                 out.sampled[req.seq_id] = verify(logits[row:row + 1 + k], req.spec_token_ids[:k],
                                                  None if probs is None else probs[:k],

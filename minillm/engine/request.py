@@ -86,6 +86,8 @@ class Request:
         self.num_cached_tokens: Optional[int] = None   # prompt tokens hit at first admission
         self.spec_token_ids: list = []             # drafts to verify next step (chapter 07)
         self.spec_draft_probs = None               # their draft distributions [k, V] or None
+        self.spec_tree_parents = None              # a tree's parents (node 0 = the last
+                                                   # token), or None: the drafts are a chain
         self.draft_state = None                    # the proposer's state for this sequence
         self.logprobs: list = []                   # per output token {id: (logprob, rank)}
         self.prompt_logprobs: list = [None]        # per prompt token (the first has none)

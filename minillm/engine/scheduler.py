@@ -164,6 +164,7 @@ class Scheduler:
         req.finish_reason = reason
         req.error = error if error is not None else req.error
         req.spec_token_ids, req.spec_draft_probs, req.draft_state = [], None, None
+        req.spec_tree_parents = None
         if self.clock is not None:
             req.metrics.finished_time = self.clock()
 

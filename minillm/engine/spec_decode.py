@@ -36,6 +36,13 @@ How a step changes (the rest of the engine is chapter 04's):
   4. The scheduler's update rolls back: num_computed_tokens forgets the rejected positions and
      blocks that hold only rejected positions go back to the pool.
 
+A TREE of drafts (EAGLE with tree_branches > 1; spec/tree.py) travels the same road: the
+proposer's Draft carries `parents` (node 0 = the last token), the scheduler gives the request
+1 + its nodes like a chain (a budget cut keeps a prefix of the nodes: still a tree), the runner
+puts each node at position start + depth with an ancestor mask in StepMetadata.tree_masks (the
+PyTorch attention path only), walks the tree (`verify_tree`), and moves the kept branch's K/V
+to the slots after the context (`PagedKVCache.compact`) before the same rollback.
+
 Methods (vLLM's names where it has them): "ngram" (prompt lookup), "medusa" (the heads of
 minillm/spec/medusa.py, trained by `make train-draft`), "draft_model" (a separate smaller model
 with the same tokenizer, run per request with its own small cache; by default the target's own
@@ -66,6 +73,8 @@ class DraftRequest:
     features: Optional[torch.Tensor] = None  # [m, C] target features (final-norm output) of the
                                              # m positions before the last token that the last
                                              # step computed and kept (EAGLE), or None
+    max_nodes: Optional[int] = None # a tree's draft nodes must fit this many cache slots
+                                    # (None: num_drafts); a chain ignores it
 
 
 @dataclass
@@ -74,6 +83,9 @@ class Draft:
     token_ids: list                 # 0 .. num_drafts ids
     probs: Optional[torch.Tensor]   # [len(token_ids), V] draft distributions; None: one-hot drafts
     state: object = None            # the caller keeps it and passes it back next time
+    parents: Optional[list] = None  # a TREE of drafts (chapter 07, spec/tree.py): node 0 is
+                                    # the last token, node i + 1 is token_ids[i], parents[j] < j
+                                    # its parent (parents[0] = -1); None: a chain
 
 
 class NoProposer:
@@ -141,7 +153,9 @@ def check_drafts(requests: list, drafts: list, proposer) -> list:
         raise ValueError(f"{name}.propose returned {len(drafts)} drafts for {len(requests)} "
                          "requests; return one Draft per DraftRequest, in the same order")
     for r, d in zip(requests, drafts):
-        if len(d.token_ids) > r.num_drafts:
+        if d.parents is not None:
+            _check_tree_draft(name, r, d)
+        elif len(d.token_ids) > r.num_drafts:
             raise ValueError(f"{name} proposed {len(d.token_ids)} tokens where num_drafts is "
                              f"{r.num_drafts}; propose at most num_drafts")
         if d.probs is not None and d.probs.shape[0] != len(d.token_ids):
@@ -150,9 +164,41 @@ def check_drafts(requests: list, drafts: list, proposer) -> list:
     return drafts
 
 
+def _check_tree_draft(name: str, r: DraftRequest, d: Draft) -> None:
+    """A tree: one parent per node (the root's -1 first), parents before children, no branch
+    deeper than num_drafts (k + 1 tokens emitted at most) and no more nodes than max_nodes."""
+    from ..spec.tree import check_tree, depths
+    if len(d.parents) != len(d.token_ids) + 1:
+        raise ValueError(f"{name}'s tree has {len(d.parents)} parents for {len(d.token_ids)} "
+                         "drafts; give one parent per node, the root's (-1) first")
+    check_tree(list(d.parents))
+    deepest = max(depths(list(d.parents)))
+    if deepest > r.num_drafts:
+        raise ValueError(f"{name}'s tree is {deepest} drafts deep where num_drafts is "
+                         f"{r.num_drafts}; keep every branch within num_drafts")
+    cap = r.num_drafts if r.max_nodes is None else r.max_nodes
+    if len(d.token_ids) > cap:
+        raise ValueError(f"{name}'s tree has {len(d.token_ids)} draft nodes where max_nodes is "
+                         f"{cap}; propose a smaller tree (or a chain) near the context's end")
+    if d.probs is not None:
+        raise ValueError(f"{name} gave draft probs with a tree: a tree's children are the "
+                         "drafter's ranked tokens, one-hot drafts; give probs=None")
+
+
 def verify(logits: torch.Tensor, draft_token_ids, draft_probs: Optional[torch.Tensor],
            params: SamplingParams, generator: Optional[torch.Generator] = None) -> list:
     """The one verifier, `minillm.spec.rejection.verify` (imported here on first use, so the
     engine does not load chapter 07 until drafts exist): logits [1 + k, V] -> 1 .. k + 1 ids."""
     from ..spec.rejection import verify as verify_drafts
     return verify_drafts(logits, draft_token_ids, draft_probs, params, generator)
+
+
+def verify_tree(logits: torch.Tensor, tokens: list, parents: list, params: SamplingParams,
+                generator: Optional[torch.Generator] = None) -> tuple:
+    """A tree's walk (`minillm.spec.tree.accept_walk`, imported on first use): logits [n, V] at
+    the n nodes (node 0 = the last token), one-hot drafts -> (emitted ids, kept node indices)."""
+    from ..sampling import probs
+    from ..spec.tree import accept_walk
+    if params.greedy:
+        return accept_walk(logits, tokens, parents, greedy=True)
+    return accept_walk(probs(logits, params), tokens, parents, generator=generator)

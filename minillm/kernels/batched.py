@@ -91,8 +91,11 @@ def plan_decode(block_tables, seq_lens, block_size: int) -> Plan:
                 if B else [])
 
 
-def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> Plan:
-    """Sequence b owns q rows cu[b]:cu[b + 1], its last q_len tokens."""
+def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int,
+                 tree_masks=None) -> Plan:
+    """Sequence b owns q rows cu[b]:cu[b + 1], its last q_len tokens. tree_masks[b] (an [n, n]
+    bool ancestor mask, or None): b's n queries are a tree of speculative drafts (chapter 07)
+    in its last n slots, and query i sees those slots only where mask[i] says, not causally."""
     dev = seq_lens.device
     cu = cu_seqlens_q.tolist()                                       # host ints (CPU path)
     q_lens = [e - s for s, e in zip(cu[:-1], cu[1:])]
@@ -114,8 +117,14 @@ def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int) -> Plan:
         q_index = torch.where(valid, starts[:, None] + i[None, :], 0)              # [G, Tq]
         positions = seq_lens[idx].long()[:, None] - lens[:, None] + i[None, :]
         positions = torch.where(valid, positions, 0)          # padding queries see key 0 only
-        groups.append(_make_group(block_tables[idx], seq_lens[idx], q_index, positions, valid,
-                                  block_size))
+        group = _make_group(block_tables[idx], seq_lens[idx], q_index, positions, valid,
+                            block_size)
+        for g, b in enumerate(many):
+            m = None if tree_masks is None else tree_masks[b]
+            if m is not None:                                # AND the tree into the causal mask
+                n, end = m.shape[0], int(seq_lens[b])
+                group.visible[g, 0, :n, end - n:end] &= m
+        groups.append(group)
     return Plan(groups)
 
 

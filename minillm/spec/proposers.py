@@ -37,7 +37,8 @@ import torch
 from ..cache.contiguous import ContiguousKVCache
 from ..engine.spec_decode import Draft, DraftRequest
 from ..sampling import SamplingParams, draw_from, probs
-from .eagle import DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_batch, new_state
+from .eagle import (DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_batch, draft_tree,
+                    new_state)
 from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import check_lookup, ngram_propose
 
@@ -209,16 +210,29 @@ class DraftModelProposer:
 
 class EagleProposer:
     """The EAGLE drafter (eagle.py) for every request, one chain of k drafts each, on the
-    request's own drafter cache (EagleState, kept across steps in Draft.state)."""
+    request's own drafter cache (EagleState, kept across steps in Draft.state). With
+    tree_branches = b > 1, each request gets eagle.draft_tree's static tree instead: the
+    drafter's top b first tokens, the first continued to depth k and the others to
+    tree_side_depth (default k), verified in one forward by the engine (tree.py)."""
     needs_hidden, needs_features = False, True
     # eagle_weights: a file or an EagleDrafter; draft_head: "reduced" | "full"; draft_dtype:
-    # None (the model's) or a narrower float dtype for the drafter alone
-    config_keys = ("eagle_weights", "draft_head", "draft_dtype")
+    # None (the model's) or a narrower float dtype for the drafter alone; tree_branches (1: a
+    # chain) and tree_side_depth (None: k) shape a tree
+    config_keys = ("eagle_weights", "draft_head", "draft_dtype", "tree_branches",
+                   "tree_side_depth")
     DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    MAX_TREE_BRANCHES = 8
 
     def __init__(self, model, drafter: EagleDrafter, num_speculative_tokens: int = 4,
-                 draft_head: str = "reduced", draft_dtype=None):
+                 draft_head: str = "reduced", draft_dtype=None, tree_branches: int = 1,
+                 tree_side_depth=None):
         drafter.check_model(model)
+        if tree_branches > 1 and model.device.type != "cpu":
+            raise ValueError("tree drafts (tree_branches > 1) are verified on the PyTorch "
+                             "attention path only, the CPU's: the Triton prefill kernel has no "
+                             "tree mask (spec/tree.py says what it needs); use "
+                             "tree_branches=1 (a chain) on a GPU")
+        self.tree_branches, self.tree_side_depth = tree_branches, tree_side_depth
         self.model, self.num_speculative_tokens = model, num_speculative_tokens
         # the drafter reads its own weights and its reduced head's rows every draft: at batch 1
         # that is memory-bound, so bf16 halves its cost (the drafts change a little; exactness
@@ -243,6 +257,17 @@ class EagleProposer:
         if not (dt is None or dt in cls.DTYPES or dt in cls.DTYPES.values()):
             raise ValueError(f"draft_dtype must be None (the model's dtype) or one of "
                              f"{sorted(cls.DTYPES)}, got {dt!r}")
+        b = cfg.setdefault("tree_branches", 1)
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= cls.MAX_TREE_BRANCHES:
+            raise ValueError(f"tree_branches must be an integer in 1..{cls.MAX_TREE_BRANCHES} "
+                             f"(1: a chain; 2-3 is usual), got {b!r}")
+        d, k = cfg.setdefault("tree_side_depth", None), cfg["num_speculative_tokens"]
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= k):
+            raise ValueError(f"tree_side_depth must be None (every branch k deep) or an integer "
+                             f"in 1..num_speculative_tokens={k}, got {d!r}")
+        if d is not None and b == 1:
+            raise ValueError("tree_side_depth shapes the runner-up branches of a tree: set "
+                             "tree_branches >= 2 too, or remove it")
         return cfg
 
     @classmethod
@@ -251,7 +276,7 @@ class EagleProposer:
         if not isinstance(drafter, EagleDrafter):
             drafter = EagleDrafter.load(drafter, model)
         return cls(model, drafter, cfg["num_speculative_tokens"], cfg["draft_head"],
-                   cfg["draft_dtype"])
+                   cfg["draft_dtype"], cfg["tree_branches"], cfg["tree_side_depth"])
 
     @torch.inference_mode()
     def propose(self, requests: list) -> list:
@@ -261,11 +286,25 @@ class EagleProposer:
         states = [r.state if isinstance(r.state, EagleState) else
                   new_state(self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts)
                   for r in requests]
+        if self.tree_branches > 1:
+            return [self._tree(r, st) for r, st in zip(requests, states)]
         out = draft_batch(self.drafter, self.model, states, [list(r.token_ids) for r in requests],
                           [r.features for r in requests], [r.num_drafts for r in requests],
                           [self._draw(r) for r in requests], self.reduced)
         return [Draft(ids, torch.stack(qs) if qs else None, st)
                 for (ids, qs), st in zip(out, states)]
+
+    def _tree(self, r: DraftRequest, state: EagleState) -> Draft:
+        """One request's static tree (draft_tree, this sequence alone): one-hot ranked drafts,
+        exact at any temperature through the tree walk. Where the tree would not fit the
+        context's last slots (max_nodes), the chain of the drafter's argmax tokens."""
+        k, b = r.num_drafts, self.tree_branches
+        d = k if self.tree_side_depth is None else min(self.tree_side_depth, k)
+        if r.max_nodes is not None and k + (b - 1) * d > r.max_nodes:
+            b = 1
+        nodes, parents = draft_tree(self.drafter, self.model, state, list(r.token_ids),
+                                    r.features, k, b, self.reduced, d)
+        return Draft(nodes[1:], None, state, parents)
 
     def _draw(self, r: DraftRequest):
         """How request r picks its drafts from the drafter's logits [1, V]."""

@@ -33,6 +33,10 @@ and the next sibling is tried against that. Emitting a sibling's token x2 then h
 exact too (`static_tree_outcomes`), with no draft probabilities to carry and no sampling in the
 drafter; it accepts x with p(x) where a sampled draft gets min(p, q) summed over x.
 
+Here the tree runs at batch 1 on a contiguous cache (`tree_generate` in loop.py); the engine
+runs the same walk for every request of a ragged batch on the paged cache
+(speculative_config tree_branches, engine/spec_decode.py): StepMetadata.tree_masks, ANDed into
+the batched attention's causal mask (kernels/batched.py), and `PagedKVCache.compact`.
 The Triton prefill kernel would need the same two inputs: per-token positions (it already
 takes them from StepMetadata) and, in place of its causal test `k_pos <= q_pos`, a per-query
 ancestor bitmask (n <= 64 nodes fit one int64 per query) ANDed in for the keys of the tree's
