@@ -25,6 +25,10 @@ The methods run side by side: for every prompt each method runs once, in rotatin
 machine load hits them alike. Speedup = that method's tokens/s / none's tokens/s, from the
 summed tokens and times over the prompts. Greedy outputs are checked to be identical.
 
+`--engine` runs part 1 through the engine instead (`minillm.LLM`, max_num_seqs 1, the same
+speculative_config a user would pass; the tree methods as tree_branches / tree_side_depth), so
+its numbers include the engine's own per-step work; eagle_top1 has no engine form.
+
 Part 2, the engine (`minillm.LLM`) at batch 1, 4, 16 with and without ngram on one grounded
 prompt replicated B times (acceptance held fixed across batch sizes): where speculation stops
 paying as the batch grows (the verification is no longer free when the step is compute-bound; on
@@ -83,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--sweep-set", default="grounded", help="the sweep's replicated prompt")
     p.add_argument("--head-cost", action="store_true", help="time EAGLE's two heads")
     p.add_argument("--tree-branches", type=int, default=2)
+    p.add_argument("--engine", action="store_true",
+                   help="run the batch-1 part through minillm.LLM instead of the batch-1 loop")
     p.add_argument("--eagle-weights", default=None,
                    help="an EAGLE drafter file (default: the committed one), e.g. an older one")
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -110,7 +116,21 @@ def eagle_config(args, head: str) -> dict:
 
 def sweep_config(args, method: str) -> dict:
     return {"ngram": ngram_config, "eagle": lambda a: eagle_config(a, "reduced"),
-            "eagle_full": lambda a: eagle_config(a, "full")}[method](args)
+            "eagle_full": lambda a: eagle_config(a, "full"),
+            "eagle_tree": lambda a: tree_config(a, "eagle_tree"),
+            "eagle_tree1": lambda a: tree_config(a, "eagle_tree1")}[method](args)
+
+
+def tree_config(args, method: str) -> dict:
+    """A tree method as the engine's speculative_config (tree_branches, tree_side_depth)."""
+    branches, side = TREES[method]
+    if branches == 1:
+        raise ValueError(f"{method} has no engine form (the engine's one-branch EAGLE is the "
+                         "chain 'eagle'); leave it out of --methods with --engine")
+    cfg = dict(eagle_config(args, "reduced"), tree_branches=branches or args.tree_branches)
+    if side is not None:
+        cfg["tree_side_depth"] = min(side, args.k)
+    return cfg
 
 
 def head_cost(model, reps: int = 200, draft_dtype=None, weights=None) -> dict:
@@ -166,9 +186,10 @@ def verify_cost(model, context: int = 96, rounds: int = 40, sizes=(1, 2, 3, 5)) 
     return {str(m): round(1e3 * statistics.median(t), 3) for m, t in times.items()}
 
 
-def proposers(model, args):
+def proposers(model, tok, args):
     """The engine's own proposer objects (build_proposer, as minillm.LLM builds them), one per
-    method; the batch-1 loop asks them for a batch of one."""
+    method; the batch-1 loop asks them for a batch of one. With --engine: one minillm.LLM per
+    method instead."""
     wanted = args.methods.split(",")
     skip = [int(x) for x in args.draft_skip.split(",") if x]
     configs = {"ngram": lambda: ngram_config(args),
@@ -186,8 +207,24 @@ def proposers(model, args):
         for m in ("eagle", "eagle_full", *TREES):
             del configs[m]
     out = {"none": None} if "none" in wanted else {}
+    if args.engine:                     # the configs themselves: each method gets an LLM
+        out.update({m: tree_config(args, m) if m in TREES else make()
+                    for m, make in configs.items() if m in wanted})
+        return {m: minillm.LLM((model, tok), num_kv_blocks=64, max_num_seqs=1,
+                               speculative_config=cfg) for m, cfg in out.items()}
     out.update({m: spec.build_proposer(make(), model)
                 for m, make in configs.items() if m in wanted})
+    return out
+
+
+def engine_generate(llm, prompt, sp, stats) -> list:
+    """One prompt through an LLM (batch 1), its speculation counters merged into stats."""
+    eng = llm.engine
+    if eng.spec_stats is not None:
+        eng.spec_stats = spec.SpecStats()
+    out = llm.generate([prompt], sp, use_tqdm=False)[0].token_ids
+    if eng.spec_stats is not None:
+        stats.merge(eng.spec_stats)
     return out
 
 
@@ -218,7 +255,9 @@ def batch1(model, tok, args, props) -> list:
                     sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, seed=i)
                     st = spec.SpecStats()
                     t0 = time.perf_counter()
-                    if m in TREES:
+                    if args.engine:
+                        out = engine_generate(props[m], prompt, sp, st)
+                    elif m in TREES:
                         branches, side = TREES[m]
                         out = spec.tree_generate(model, tok, prompt, props[m], args.k,
                                                  args.max_tokens, branches or args.tree_branches,
@@ -344,7 +383,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tok = minillm.load_model("smollm2-135m", device=args.device)
-    props = proposers(model, args)
+    props = proposers(model, tok, args)
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     result = dict(
@@ -354,6 +393,7 @@ def main(argv=None):
         date=datetime.date.today().isoformat(), torch=torch.__version__,
         command="python " + " ".join(shlex.quote(a) for a in sys.argv),
         model="smollm2-135m", k=args.k, max_tokens=args.max_tokens,
+        batch1_runs_on="minillm.LLM (max_num_seqs 1)" if args.engine else "the batch-1 loop",
         draft_model=f"SmolLM2-135M skipping layers {args.draft_skip}",
         load_average_before=load_before)
     result["head_cost"] = (head_cost(model, draft_dtype=args.draft_dtype,
