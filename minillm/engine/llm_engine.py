@@ -339,7 +339,10 @@ class LLMEngine:
 
     def _record_spec(self, result) -> None:
         for seq_id, k in result.num_drafts.items():
-            self.spec_stats.record(k, len(result.sampled[seq_id]) - 1)
+            path = result.paths.get(seq_id)                  # a tree's kept nodes (or a chain)
+            self.spec_stats.record(k, len(result.sampled[seq_id]) - 1,
+                                   result.tree_depths.get(seq_id),
+                                   path is not None and path != list(range(len(path))))
 
     def _propose(self, update: StepUpdate, hidden: dict, features: dict = None) -> None:
         """Drafts for every request that just got tokens and keeps decoding. Drafts only

@@ -38,7 +38,7 @@ from ..kvmath import kv_bytes_per_token
 from ..model import capture_features, capture_hidden, prepack
 from ..sampling import apply_penalties, greedy_ids, sample, token_logprobs
 from .cuda_graphs import build_graph_runner
-from .spec_decode import verify, verify_tree
+from .spec_decode import tree_depth, verify, verify_tree
 
 # num_kv_blocks=None sizes the pool from memory:
 CUDA_KV_FRACTION = 0.5          # of the GPU memory still free after the weights are loaded
@@ -76,6 +76,7 @@ class ModelRunnerOutput:
     prompt_logprobs: dict = field(default_factory=dict)   # seq_id -> (first position, [{...}])
     paths: dict = field(default_factory=dict)        # seq_id -> the tree nodes a tree
                                                      # verification kept, root first (chapter 07)
+    tree_depths: dict = field(default_factory=dict)  # seq_id -> that tree's depth
 
 
 @dataclass
@@ -339,10 +340,11 @@ class ModelRunner:
         try:
             if k and req.spec_tree_parents is not None:       # a tree (chapter 07)
                 nodes = req.token_ids(req.num_tokens - 1, req.num_tokens) + req.spec_token_ids[:k]
+                parents = req.spec_tree_parents[:k + 1]
                 out.sampled[req.seq_id], out.paths[req.seq_id] = verify_tree(
-                    logits[row:row + 1 + k], nodes, req.spec_tree_parents[:k + 1], req.params,
-                    req.generator)
-                out.num_drafts[req.seq_id] = k
+                    logits[row:row + 1 + k], nodes, parents, req.params, req.generator)
+                out.num_drafts[req.seq_id] = k                       # every node (rollback)
+                out.tree_depths[req.seq_id] = tree_depth(parents)
             elif k:
                 probs = req.spec_draft_probs
                 out.sampled[req.seq_id] = verify(logits[row:row + 1 + k], req.spec_token_ids[:k],

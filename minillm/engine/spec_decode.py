@@ -167,12 +167,12 @@ def check_drafts(requests: list, drafts: list, proposer) -> list:
 def _check_tree_draft(name: str, r: DraftRequest, d: Draft) -> None:
     """A tree: one parent per node (the root's -1 first), parents before children, no branch
     deeper than num_drafts (k + 1 tokens emitted at most) and no more nodes than max_nodes."""
-    from ..spec.tree import check_tree, depths
+    from ..spec.tree import check_tree
     if len(d.parents) != len(d.token_ids) + 1:
         raise ValueError(f"{name}'s tree has {len(d.parents)} parents for {len(d.token_ids)} "
                          "drafts; give one parent per node, the root's (-1) first")
     check_tree(list(d.parents))
-    deepest = max(depths(list(d.parents)))
+    deepest = tree_depth(d.parents)
     if deepest > r.num_drafts:
         raise ValueError(f"{name}'s tree is {deepest} drafts deep where num_drafts is "
                          f"{r.num_drafts}; keep every branch within num_drafts")
@@ -191,6 +191,12 @@ def verify(logits: torch.Tensor, draft_token_ids, draft_probs: Optional[torch.Te
     engine does not load chapter 07 until drafts exist): logits [1 + k, V] -> 1 .. k + 1 ids."""
     from ..spec.rejection import verify as verify_drafts
     return verify_drafts(logits, draft_token_ids, draft_probs, params, generator)
+
+
+def tree_depth(parents: list) -> int:
+    """How many drafts deep a tree goes (its longest branch, root excluded)."""
+    from ..spec.tree import depths
+    return max(depths(list(parents)))
 
 
 def verify_tree(logits: torch.Tensor, tokens: list, parents: list, params: SamplingParams,

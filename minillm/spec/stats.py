@@ -5,6 +5,11 @@ position, and what it cost. The batch-1 loop (spec/loop.py) and the engine
     acceptance_rate         accepted drafts / proposed drafts
     mean_accepted_length    tokens per verification pass that carried drafts (accepted + 1)
     acceptance_by_position  P(draft i accepted | draft i proposed), i = 0 .. k-1
+
+A tree of drafts (tree.py) counts every node as a proposed draft, its depths as the positions
+(position i: a node i + 1 deep was accepted), and `num_side_branch_kept` counts the
+verifications whose kept branch was not the first (the drafter's top guesses): what the extra
+branches bought.
 """
 from __future__ import annotations
 
@@ -19,20 +24,26 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_target_forwards: int = 0              # prefill + plain decodes + verifications
     num_emitted_tokens: int = 0
+    num_side_branch_kept: int = 0             # tree verifications that kept another branch
     accepted_per_position: list = field(default_factory=list)   # position i: accepted drafts
     drafted_per_position: list = field(default_factory=list)    # position i: proposed drafts
     draft_time: float = 0.0
     total_time: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, depth=None,
+               side_branch: bool = False) -> None:
+        """One verification: num_drafted drafts (a tree's nodes), num_accepted kept; a tree
+        gives its depth (the positions) and whether it kept a branch other than the first."""
         if num_drafted == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
+        self.num_side_branch_kept += bool(side_branch)
+        positions = num_drafted if depth is None else depth
         for lst in (self.drafted_per_position, self.accepted_per_position):
-            lst.extend([0] * (num_drafted - len(lst)))        # one entry per draft position
-        for i in range(num_drafted):
+            lst.extend([0] * (positions - len(lst)))          # one entry per draft position
+        for i in range(positions):
             self.drafted_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
@@ -40,7 +51,7 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         """Add another run's counts and times to these (one SpecStats per prompt -> a total)."""
         for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_target_forwards",
-                  "num_emitted_tokens", "draft_time", "total_time"):
+                  "num_emitted_tokens", "num_side_branch_kept", "draft_time", "total_time"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
                              (self.drafted_per_position, other.drafted_per_position)):
@@ -71,4 +82,5 @@ class SpecStats:
                 "mean_accepted_length": self.mean_accepted_length,
                 "acceptance_by_position": self.acceptance_by_position,
                 "num_target_forwards": self.num_target_forwards,
-                "num_emitted_tokens": self.num_emitted_tokens}
+                "num_emitted_tokens": self.num_emitted_tokens,
+                "num_side_branch_kept": self.num_side_branch_kept}
