@@ -252,6 +252,9 @@ def test_bad_tree_options_and_drafts(model, drafter):
         LLMEngine(model, None, num_kv_blocks=50, block_size=4,
                   speculative_config=dict(method="ngram", num_speculative_tokens=2,
                                           tree_branches=2))
+    on_gpu = type("OnGPU", (), {"device": torch.device("cuda")})()       # no GPU needed
+    with pytest.raises(ValueError, match="PyTorch attention path only"):
+        EagleProposer(on_gpu, drafter, 2, tree_branches=2)
     ask = DraftRequest([1, 2, 3], 2, SamplingParams(), None, max_nodes=3)
     prop = EagleProposer(model, drafter, 2)
     for d, match in [(Draft([4, 5], None, None, [-1, 0]), "parents for 2 drafts"),
