@@ -339,10 +339,8 @@ class LLMEngine:
 
     def _record_spec(self, result) -> None:
         for seq_id, k in result.num_drafts.items():
-            path = result.paths.get(seq_id)                  # a tree's kept nodes (or a chain)
-            self.spec_stats.record(k, len(result.sampled[seq_id]) - 1,
-                                   result.tree_depths.get(seq_id),
-                                   path is not None and path != list(range(len(path))))
+            self.spec_stats.record(k, len(result.sampled[seq_id]) - 1,      # a tree: its depth
+                                   result.tree_depths.get(seq_id), result.paths.get(seq_id))
 
     def _propose(self, update: StepUpdate, hidden: dict, features: dict = None) -> None:
         """Drafts for every request that just got tokens and keeps decoding. Drafts only

@@ -146,8 +146,7 @@ def tree_generate(model, tok, prompt, proposer, num_speculative_tokens: int = 4,
         else:                                                      # one-hot drafts: q None
             emitted, path = accept_walk(probs(logits, sampling), nodes, parents,
                                         generator=gen)
-        stats.record(len(nodes) - 1, len(emitted) - 1, depth=kk,
-                     side_branch=path != list(range(len(path))))
+        stats.record(len(nodes) - 1, len(emitted) - 1, depth=kk, path=path)
         compact(cache, start, path)
         feats = model.norm(fcap.value[0, path])                    # [len(path), C]
         for t in emitted:

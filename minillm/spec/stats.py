@@ -30,16 +30,16 @@ class SpecStats:
     draft_time: float = 0.0
     total_time: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int, depth=None,
-               side_branch: bool = False) -> None:
+    def record(self, num_drafted: int, num_accepted: int, depth=None, path=None) -> None:
         """One verification: num_drafted drafts (a tree's nodes), num_accepted kept; a tree
-        gives its depth (the positions) and whether it kept a branch other than the first."""
+        gives its depth (the positions) and the node indices it kept (`path`, root first: a
+        branch other than the first when they are not 0, 1, 2, ...)."""
         if num_drafted == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        self.num_side_branch_kept += bool(side_branch)
+        self.num_side_branch_kept += path is not None and path != list(range(len(path)))
         positions = num_drafted if depth is None else depth
         for lst in (self.drafted_per_position, self.accepted_per_position):
             lst.extend([0] * (positions - len(lst)))          # one entry per draft position
