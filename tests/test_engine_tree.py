@@ -188,6 +188,31 @@ def test_the_real_drafter_trees_with_prefix_hits_and_n2(model, drafter, workload
     check_invariants(engine)
 
 
+@pytest.mark.parametrize("side_depth", [1, None])
+def test_narrow_trees_are_drafted_for_the_batch_at_once(model, drafter, side_depth):
+    """Trees whose runner-up branches are one node deep come from shared drafter passes
+    (draft_batch): the same nodes and parents as eagle.draft_tree one request at a time, with
+    mixed k; with side_depth None that holds at k = 1, and deeper trees go one by one."""
+    from minillm.spec.eagle import draft_tree, new_state
+    rng = random.Random(11)
+    seqs = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 14, 5, 11)]
+    ks = [3, 1, 2, 1] if side_depth == 1 else [1, 1, 1, 1]
+    prop = EagleProposer(model, drafter, 3, tree_branches=2, tree_side_depth=side_depth)
+    asks = [DraftRequest(s, k, SamplingParams(), None) for s, k in zip(seqs, ks)]
+    calls = []
+    real = prop._tree
+    prop._tree = lambda r, st: calls.append(r) or real(r, st)
+    got = prop.propose(asks)
+    assert calls == []                                        # all in shared passes
+    for d, s, k in zip(got, seqs, ks):
+        nodes, parents = draft_tree(drafter, model, new_state(drafter, 32), s, None, k, 2,
+                                    True, 1)
+        assert d.token_ids == nodes[1:] and d.parents == parents and d.probs is None
+    if side_depth is None:                                    # k = 2: a deep side branch
+        prop.propose([DraftRequest(seqs[0], 2, SamplingParams(), None)])
+        assert len(calls) == 1
+
+
 class TopTree(EagleProposer):
     """Depth-1 trees of two of the TARGET's top-3 next tokens (in a random order), so that
     sampled drafts are accepted often and rejected often."""

@@ -280,31 +280,61 @@ class EagleProposer:
 
     @torch.inference_mode()
     def propose(self, requests: list) -> list:
-        """Every request's chain in the same drafter passes (draft_batch)."""
+        """Every request's chain in the same drafter passes (draft_batch); a tree whose
+        runner-up branches are one node deep the same way (the runner-ups are the first
+        pass's next-ranked tokens); deeper trees one request at a time (draft_tree)."""
         if not requests:
             return []
         states = [r.state if isinstance(r.state, EagleState) else
                   new_state(self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts)
                   for r in requests]
-        if self.tree_branches > 1:
-            return [self._tree(r, st) for r, st in zip(requests, states)]
+        trees = self.tree_branches > 1
+        if trees and any(self._side_depth(r) > 1 for r in requests):     # deep side branches:
+            return [self._tree(r, st) for r, st in zip(requests, states)]  # one by one
+        # a chain, or a tree whose runner-up branches are one node deep: both are the drafter's
+        # chain for every request in shared passes, plus (trees) the runner-up first tokens
+        side = [[] for _ in requests]
+        draws = [self._ranked(self.tree_branches, sd) if trees else self._draw(r)
+                 for r, sd in zip(requests, side)]
         out = draft_batch(self.drafter, self.model, states, [list(r.token_ids) for r in requests],
                           [r.features for r in requests], [r.num_drafts for r in requests],
-                          [self._draw(r) for r in requests], self.reduced)
-        return [Draft(ids, torch.stack(qs) if qs else None, st)
-                for (ids, qs), st in zip(out, states)]
+                          draws, self.reduced)
+        if not trees:
+            return [Draft(ids, torch.stack(qs) if qs else None, st)
+                    for (ids, qs), st in zip(out, states)]
+        return [Draft(ids + sd, None, st, [-1] + list(range(len(ids))) + [0] * len(sd))
+                if r.max_nodes is None or len(ids) + len(sd) <= r.max_nodes
+                else Draft(ids, None, st, [-1] + list(range(len(ids))))
+                for (ids, _), sd, st, r in zip(out, side, states, requests)]
 
     def _tree(self, r: DraftRequest, state: EagleState) -> Draft:
         """One request's static tree (draft_tree, this sequence alone): one-hot ranked drafts,
         exact at any temperature through the tree walk. Where the tree would not fit the
         context's last slots (max_nodes), the chain of the drafter's argmax tokens."""
-        k, b = r.num_drafts, self.tree_branches
-        d = k if self.tree_side_depth is None else min(self.tree_side_depth, k)
+        k, b, d = r.num_drafts, self.tree_branches, self._side_depth(r)
         if r.max_nodes is not None and k + (b - 1) * d > r.max_nodes:
             b = 1
         nodes, parents = draft_tree(self.drafter, self.model, state, list(r.token_ids),
                                     r.features, k, b, self.reduced, d)
         return Draft(nodes[1:], None, state, parents)
+
+    def _side_depth(self, r: DraftRequest) -> int:
+        """How deep request r's runner-up branches go (tree_side_depth, default k, within k)."""
+        return min(self.tree_side_depth or r.num_drafts, r.num_drafts)
+
+    @staticmethod
+    def _ranked(branches: int, side: list):
+        """draft_tree's choices inside draft_batch: the drafter's argmax at every depth (the
+        tree's first branch), and at the first depth its next branches - 1 tokens into `side`
+        (the runner-up branches, one node each)."""
+        first = [True]
+
+        def pick(logits):                                    # [1, V] -> ([id], None)
+            top = logits[0].topk(branches if first[0] else 1).indices.tolist()
+            first[0] = False
+            side.extend(top[1:])
+            return top[:1], None
+        return pick
 
     def _draw(self, r: DraftRequest):
         """How request r picks its drafts from the drafter's logits [1, V]."""
