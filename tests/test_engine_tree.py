@@ -7,6 +7,7 @@ ragged batch, on a tiny random model.
   chunked prefill (the budget cuts trees), preemption (recompute and swap), prefix caching and
   n > 1; the features the proposer gets are the target's own along the kept branch, and each
   token's logprob is its own node's;
+- the same through the Triton kernels (the interpreter here), which read the tree as bits;
 - sampled requests: the first tokens' joint distribution matches the model's own (chi-square)
   while tree drafts are accepted and rejected;
 - bad options raise ValueError naming the fix."""
@@ -168,6 +169,24 @@ def test_greedy_tree_drafts_equal_sequential(model, drafter, workload, mode, mon
     assert OracleTree.checked[0] > 0 and OracleTree.wrong_features == []   # the target's
 
 
+def test_tree_steps_through_the_triton_kernels(model, drafter, workload, monkeypatch):
+    """The same engine with every attention call on the Triton kernels (run by the interpreter
+    here, compiled on a GPU): tree steps read the ancestor bits, and the tokens are still
+    sequential greedy's (three requests, a few tokens each: the interpreter is slow)."""
+    prompts, _, _ = workload
+    ps, mt = prompts[:3], [6, 4, 5]
+    expected = sequential(model, ps, mt)
+    OracleTree.reference = {tuple(p): r for p, r in zip(ps, expected)}
+    monkeypatch.setitem(PROPOSERS, "eagle", OracleTree)
+    engine = LLMEngine(model, None, num_kv_blocks=100, block_size=4,
+                       speculative_config=dict(method="eagle", num_speculative_tokens=3,
+                                               eagle_weights=drafter, tree_branches=2))
+    engine.runner.cache.impl = "triton"
+    outs, _ = run_engine(engine, ps, mt)
+    assert [outs[str(i)].token_ids for i in range(3)] == expected
+    assert engine.spec_decode_stats.num_accepted_tokens > 0
+
+
 def test_the_real_drafter_trees_with_prefix_hits_and_n2(model, drafter, workload):
     """EagleProposer's own trees (draft_tree over the random drafter), a shared cached prefix
     and n = 2 siblings: the same tokens as sequential greedy."""
@@ -277,9 +296,6 @@ def test_bad_tree_options_and_drafts(model, drafter):
         LLMEngine(model, None, num_kv_blocks=50, block_size=4,
                   speculative_config=dict(method="ngram", num_speculative_tokens=2,
                                           tree_branches=2))
-    on_gpu = type("OnGPU", (), {"device": torch.device("cuda")})()       # no GPU needed
-    with pytest.raises(ValueError, match="PyTorch attention path only"):
-        EagleProposer(on_gpu, drafter, 2, tree_branches=2)
     ask = DraftRequest([1, 2, 3], 2, SamplingParams(), None, max_nodes=3)
     prop = EagleProposer(model, drafter, 2)
     for d, match in [(Draft([4, 5], None, None, [-1, 0]), "parents for 2 drafts"),

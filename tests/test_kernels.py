@@ -349,6 +349,45 @@ def test_paged_prefill_triton(block_size, group, dtype):
     assert_close(out, ref, dtype)
 
 
+def random_tree(n, seed):
+    """parents of an n-node tree, parents first (node 0 the root)."""
+    g = torch.Generator().manual_seed(seed)
+    return [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+
+
+@pytest.mark.parametrize("nodes", [6, 64])
+def test_paged_prefill_with_tree_masks(nodes):
+    """Speculative tree drafts (chapter 07): one sequence's queries are the nodes of a tree
+    (after 11 context tokens), beside a plain chunk and a decode row. The Triton kernel (its
+    int64 ancestor bits, bit 63 included at 64 nodes), the batched path and the reference
+    twin agree, and the tree changes the result (it is not the causal answer)."""
+    from minillm.spec.tree import tree_mask
+    bs, group = 8, 3
+    mask = tree_mask(random_tree(nodes, nodes))
+    pairs = [(nodes, 11 + nodes), (5, 2 * bs + 2), (1, bs + 1)]
+    k_cache, v_cache, tables, seq_lens, _, _ = paged_kv([s for _, s in pairs], bs)
+    q_lens = [ql for ql, _ in pairs]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32,
+                      device=DEVICE)
+    q = torch.randn(sum(q_lens), KV_HEADS * group, HEAD_DIM, device=DEVICE)
+    masks, scale = (mask, None, None), HEAD_DIM ** -0.5
+    args = (q, k_cache, v_cache, cu, seq_lens, tables, scale)
+    ref = reference.paged_prefill_attention(*args, tree_masks=masks)
+    out = K.paged_prefill_attention(*args, impl="triton", max_query_len=max(q_lens),
+                                    tree_masks=masks)
+    assert_close(out, ref, torch.float32)
+    assert_close(batched.paged_prefill_attention(*args, tree_masks=masks), ref, torch.float32)
+    causal = reference.paged_prefill_attention(*args)
+    assert (causal[:nodes] - ref[:nodes]).abs().max() > 1e-2     # the mask mattered
+    torch.testing.assert_close(causal[nodes:], ref[nodes:])        # ... for the tree only
+    bits = K.tree_bits_for(cu, masks, q.shape[0], DEVICE)
+    assert bits[nodes:].eq(-1).all() and int(bits[0]) == 1          # the root sees itself
+    with pytest.raises(ValueError, match="tree_masks\\[0\\] has shape"):
+        K.tree_bits_for(cu, (mask[:-1, :-1], None, None), q.shape[0], DEVICE)
+    with pytest.raises(ValueError, match="one per sequence"):
+        K.paged_prefill_attention(*args, impl="triton", tree_masks=(mask,))
+
+
 def test_paged_prefill_without_max_query_len_and_odd_head_dim():
     pairs = [(40, 40), (1, 7), (6, 30)]
     k_cache, v_cache, tables, seq_lens, _, _ = paged_kv([s for _, s in pairs], 16,

@@ -92,7 +92,7 @@ class StepMetadata:
     slot_mapping: Optional[torch.Tensor]    # [T] int64 (None: built without block tables)
     block_tables: Optional[torch.Tensor]    # [B, max_blocks] int32
     is_decode_only: bool                    # every sequence brings one token: the decode kernel
-    tree_masks: Optional[tuple] = None      # [B] of None | [n, n] bool (PyTorch path only)
+    tree_masks: Optional[tuple] = None      # [B] of None | [n, n] bool (chapter 07)
 
     @property
     def num_tokens(self) -> int:
@@ -166,6 +166,7 @@ class PagedKVCache:
         self._meta: Optional[StepMetadata] = None         # this forward's batch (see set_step)
         self._checked = False                             # first layer checked the tables
         self._plan = None                                 # batched CPU path's gather plan
+        self._tree_bits = None
 
     @property
     def device(self) -> torch.device:
@@ -189,6 +190,7 @@ class PagedKVCache:
             raise ValueError("set_step takes a StepMetadata with block tables: build it with "
                              "build_step_metadata(spans, block_tables, block_size)")
         self._meta, self._checked, self._plan = meta, not check_values, None
+        self._tree_bits = None                            # a tree's masks as the Triton kernel's
 
     def prepare_step(self, spans) -> torch.Tensor:
         """spans: [(seq_id, start, end)]: this step computes positions [start, end) of each
@@ -217,20 +219,7 @@ class PagedKVCache:
             raise ValueError(f"the forward brings {q_flat.shape[0]} tokens but the step was set "
                              f"up for {meta.num_tokens}")
         k_cache, v_cache = self.k[layer], self.v[layer]           # [num_blocks, bs, KVH, D]
-        torch_path = kernels.choose_impl(self.impl, self.device) == "torch"
-        if meta.tree_masks is not None and not self._checked:    # a tree: the plan's masks
-            if not torch_path:
-                raise ValueError("tree verification (speculative tree drafts) runs on the "
-                                 "PyTorch attention path only (impl='torch', the CPU's): the "
-                                 "Triton prefill kernel has no tree mask; use chain drafts")
-            num_blocks, bs = k_cache.shape[:2]                   # the public kernels' checks
-            kernels.checks.raise_failed({
-                **kernels.checks.table_conditions(meta.block_tables, meta.seq_lens, num_blocks,
-                                                  bs),
-                "slot_mapping has a slot outside the pool":
-                    ((meta.slot_mapping >= -1) & (meta.slot_mapping < num_blocks * bs)).all()})
-            self._checked = True
-        if self._checked and torch_path:
+        if self._checked and kernels.choose_impl(self.impl, self.device) == "torch":
             # The first layer checked this step's tensors through the public kernels; the
             # others reuse one plan (store slots, key slots, masks) of the batched CPU path.
             if self._plan is None:
@@ -249,10 +238,15 @@ class PagedKVCache:
                                                  meta.seq_lens, self.scale, impl=self.impl,
                                                  check_values=check, **scales)
         else:
+            if (meta.tree_masks is not None and self._tree_bits is None      # once per step
+                    and kernels.choose_impl(self.impl, self.device) == "triton"):
+                self._tree_bits = kernels.tree_bits_for(meta.cu_seqlens_q, meta.tree_masks,
+                                                        meta.num_tokens, self.device)
             out = kernels.paged_prefill_attention(q_flat, k_cache, v_cache, meta.cu_seqlens_q,
                                                   meta.seq_lens, meta.block_tables,
                                                   self.scale, impl=self.impl, check_values=check,
-                                                  **scales)
+                                                  tree_masks=meta.tree_masks,
+                                                  tree_bits=self._tree_bits, **scales)
         return out.view(q.shape)                                  # [1, T, H, D]
 
     def _make_plan(self, meta: StepMetadata):

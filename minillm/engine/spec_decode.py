@@ -39,9 +39,10 @@ How a step changes (the rest of the engine is chapter 04's):
 A TREE of drafts (EAGLE with tree_branches > 1; spec/tree.py) travels the same road: the
 proposer's Draft carries `parents` (node 0 = the last token), the scheduler gives the request
 1 + its nodes like a chain (a budget cut keeps a prefix of the nodes: still a tree), the runner
-puts each node at position start + depth with an ancestor mask in StepMetadata.tree_masks (the
-PyTorch attention path only), walks the tree (`verify_tree`), and moves the kept branch's K/V
-to the slots after the context (`PagedKVCache.compact`) before the same rollback.
+puts each node at position start + depth with an ancestor mask in StepMetadata.tree_masks
+(every attention path reads it; the Triton kernel as bits), walks the tree (`verify_tree`), and
+moves the kept branch's K/V to the slots after the context (`PagedKVCache.compact`) before the
+same rollback.
 
 Methods (vLLM's names where it has them): "ngram" (prompt lookup), "medusa" (the heads of
 minillm/spec/medusa.py, trained by `make train-draft`), "draft_model" (a separate smaller model

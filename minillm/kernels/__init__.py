@@ -38,8 +38,8 @@ import torch
 
 from . import batched, checks, reference
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "reference",
-           "batched"]
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "tree_bits_for",
+           "reference", "batched"]
 
 _IMPLS = (None, "triton", "torch", "reference")
 
@@ -140,11 +140,15 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale, *,
                             impl=None, check_values=True, max_query_len=None, k_scale=1.0,
-                            v_scale=1.0):
+                            v_scale=1.0, tree_masks=None, tree_bits=None):
     """Causal attention for ragged query chunks over a paged cache: q [T, H, D] -> [T, H, D].
 
     Sequence b owns q rows cu_seqlens_q[b] : cu_seqlens_q[b + 1] ([B + 1] int32); they are its
     last q_len tokens (K/V already stored), so query i sits at position seq_len - q_len + i.
+    tree_masks (chapter 07): per sequence None or a [q_len, q_len] bool ancestor mask, when its
+    queries are the nodes of a tree of speculative drafts: query i then sees, of its own q_len
+    slots, only those mask[i] allows. The Triton kernel reads the same masks as `tree_bits`
+    [T] int64 (one per query; pass them precomputed to skip the conversion).
     """
     checks.check_cache(k_cache, v_cache)
     checks.require(q.dim() == 3, f"q must be [num_tokens, num_heads, head_dim], got shape "
@@ -179,12 +183,41 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
                 q_lens <= max_query_len).all()
         conditions.update(checks.table_conditions(block_tables, seq_lens, *k_cache.shape[:2]))
         checks.raise_failed(conditions)
+    if tree_masks is not None:
+        checks.require(len(tree_masks) == batch,
+                       f"tree_masks has {len(tree_masks)} entries for {batch} sequences; give "
+                       "one per sequence (None where its queries are not a tree)")
     chosen = choose_impl(impl, k_cache.device)
     if chosen == "triton":
         from .paged_prefill import paged_prefill_triton
+        if tree_masks is not None and tree_bits is None:
+            tree_bits = tree_bits_for(cu_seqlens_q, tree_masks, q.shape[0], q.device)
         return paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                                     float(scale), max_query_len=max_query_len,
-                                    k_scale=float(k_scale), v_scale=float(v_scale))
+                                    k_scale=float(k_scale), v_scale=float(v_scale),
+                                    tree_bits=tree_bits)
     twin = batched if chosen == "torch" else reference
     return twin.paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens,
-                                        block_tables, scale, k_scale, v_scale)
+                                        block_tables, scale, k_scale, v_scale, tree_masks)
+
+
+MAX_TREE_NODES = 64             # one int64 of ancestor bits per query (the Triton kernel)
+
+
+def tree_bits_for(cu_seqlens_q, tree_masks, num_tokens: int, device) -> torch.Tensor:
+    """The Triton kernel's form of tree_masks: [T] int64, bit j of a tree node's entry set when
+    it sees node j of its tree; -1 (every bit) for the queries of other sequences."""
+    bits = torch.full((num_tokens,), -1, dtype=torch.int64)
+    cu = cu_seqlens_q.tolist()
+    for b, m in enumerate(tree_masks):
+        if m is None:
+            continue
+        n = m.shape[0]
+        checks.require(tuple(m.shape) == (n, n) and n == cu[b + 1] - cu[b] and
+                       n <= MAX_TREE_NODES,
+                       f"tree_masks[{b}] has shape {tuple(m.shape)}; it must be [q_len, q_len] "
+                       f"for that sequence's q_len = {cu[b + 1] - cu[b]} queries, at most "
+                       f"{MAX_TREE_NODES} (one int64 of bits per query)")
+        weights = torch.ones(n, dtype=torch.int64) << torch.arange(n)       # bit j = 2^j
+        bits[cu[b]:cu[b + 1]] = (m.cpu().long() * weights).sum(1)          # wraps at bit 63
+    return bits.to(device)

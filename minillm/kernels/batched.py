@@ -209,8 +209,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                            k_scale=1.0, v_scale=1.0):
+                            k_scale=1.0, v_scale=1.0, tree_masks=None):
     """Ragged causal queries, q [T, H, D] (sequence b owns rows cu[b]:cu[b + 1], its last
-    q_len tokens) -> out [T, H, D]."""
-    plan = plan_prefill(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+    q_len tokens) -> out [T, H, D]; tree_masks as in plan_prefill."""
+    plan = plan_prefill(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1], tree_masks)
     return run(plan, q, k_cache, v_cache, scale, k_scale, v_scale)

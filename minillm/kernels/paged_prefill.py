@@ -14,6 +14,13 @@ matrix (row r = token r // GROUP_PAD, head r % GROUP_PAD), so each K/V tile it l
 query head of the group. It then walks the keys in tiles of TILE_N with the same block-table
 gather and online softmax as the decode kernel (see paged_decode.py for the line-by-line
 version), adding the causal mask: key position <= query position.
+
+Tree verification (chapter 07, speculative tree drafts): when a sequence's q_len queries are
+the nodes of a tree, query i may see, of those last q_len slots, only its ancestors. The mask
+comes in as one int64 per query row (`tree_bits`: bit j set = the query sees the tree's node j,
+so a tree has at most 64 nodes; -1 for every query that is not a tree node: all bits set) and
+is ANDed into the causal test for the keys at or past context_len. Every node sees the root
+(node 0) and the context before it, so no row is fully masked.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,               # [B + 1] int32: sequence b owns q rows cu[b] : cu[b + 1]
     seq_lens_ptr,                   # [B] int32: keys per sequence, these queries included
     block_tables_ptr,               # [B, max_blocks] int32
+    tree_bits_ptr,                  # [T] int64 ancestor bits per query (if HAS_TREE)
     scale,                          # softmax scale times k_scale (fp8 cache)
     v_scale,                        # an fp8 cache's value scale (1.0 otherwise)
     stride_q_token, stride_q_head, stride_q_dim,
@@ -49,6 +57,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,      # see paged_decode.dot
     KV_FP8: tl.constexpr,           # the cache holds fp8 bytes: convert each tile to q's dtype
+    HAS_TREE: tl.constexpr,         # some sequences' queries are trees (tree_bits_ptr)
 ):
     q_tile = tl.program_id(0)       # which BLOCK_Q tokens of the sequence's new queries
     seq = tl.program_id(1)
@@ -74,6 +83,8 @@ def _paged_prefill_kernel(
     q = tl.load(q_ptr + q_row_offsets[:, None] + dims[None, :] * stride_q_dim,
                 mask=row_is_real[:, None] & dim_is_real[None, :], other=0.0)   # [ROWS, D_PAD]
 
+    if HAS_TREE:                    # [ROWS] int64: which of the last q_len slots each row sees
+        bits = tl.load(tree_bits_ptr + q_begin + token, mask=row_is_real, other=-1)
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
@@ -100,6 +111,10 @@ def _paged_prefill_kernel(
         scores = dot(q, tl.trans(k), DOT_PRECISION, UPCAST) * scale   # [ROWS, TILE_N]
         # causal mask: a query sees keys at its own position and before
         visible = key_is_real[None, :] & (key_pos[None, :] <= q_pos[:, None])
+        if HAS_TREE:                # of the tree's own slots, only the row's ancestors
+            node = tl.minimum(tl.maximum(key_pos - context_len, 0), 63).to(tl.int64)
+            seen = ((bits[:, None] >> node[None, :]) & 1) != 0
+            visible = visible & ((key_pos[None, :] < context_len) | seen)
         scores = tl.where(visible, scores, float("-inf"))
 
         # online softmax. Key 0 (first tile) is visible to every row, so m is finite from the
@@ -122,7 +137,7 @@ def _paged_prefill_kernel(
 
 def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
                          max_query_len: int | None = None, k_scale: float = 1.0,
-                         v_scale: float = 1.0):
+                         v_scale: float = 1.0, tree_bits=None):
     """Launch the prefill kernel.
 
     max_query_len (the longest q_len in the batch, which a scheduler knows on the host) sizes
@@ -143,12 +158,14 @@ def paged_prefill_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tabl
     longest = num_tokens if max_query_len is None else max(1, min(max_query_len, num_tokens))
     grid = (triton.cdiv(longest, block_q), batch, num_kv_heads)
     _paged_prefill_kernel[grid](
-        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale * k_scale,
+        out, q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+        seq_lens if tree_bits is None else tree_bits, scale * k_scale,
         float(v_scale),
         *q.stride(), *out.stride(), *k_cache.stride(), *block_tables.stride(),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size, TILE_N=TILE_N // halve,
-        num_warps=4, num_stages=2, KV_FP8=is_fp8(k_cache), **dot_options(q.dtype),
+        num_warps=4, num_stages=2, KV_FP8=is_fp8(k_cache), HAS_TREE=tree_bits is not None,
+        **dot_options(q.dtype),
     )
     return out

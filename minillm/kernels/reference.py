@@ -48,14 +48,18 @@ def gather_kv(cache, block_table_row, seq_len):
     return blocks.flatten(0, 1)[:seq_len]                    # [seq_len, KVH, D]
 
 
-def _attend(q, k, v, scale, q_positions):
-    """q [Tq, H, D], k/v [Tk, KVH, D], query i at q_positions[i] sees keys 0..q_positions[i]."""
+def _attend(q, k, v, scale, q_positions, tree_mask=None):
+    """q [Tq, H, D], k/v [Tk, KVH, D], query i at q_positions[i] sees keys 0..q_positions[i];
+    with tree_mask [Tq, Tq] (a tree of speculative drafts in the last Tq slots, chapter 07)
+    query i sees the earlier keys and, of the last Tq, only those tree_mask[i] allows."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1).float()            # [Tk, H, D]
     v = v.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale          # [H, Tq, Tk]
     key_positions = torch.arange(k.shape[0], device=q.device)
     future = key_positions[None, :] > q_positions[:, None]                # [Tq, Tk]
+    if tree_mask is not None:
+        future[:, k.shape[0] - q.shape[0]:] |= ~tree_mask.to(q.device)
     scores = scores.masked_fill(future, float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)            # [Tq, H, D] float32
@@ -79,12 +83,13 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, k
 
 
 def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale,
-                            k_scale=1.0, v_scale=1.0):
+                            k_scale=1.0, v_scale=1.0, tree_masks=None):
     """Ragged causal queries against paged context.
 
     q [T, H, D] holds the queries of all sequences back to back; sequence b owns rows
     cu_seqlens_q[b] : cu_seqlens_q[b + 1]. They are the LAST q_len tokens of the sequence, so
     query i sits at position seq_len - q_len + i and sees keys 0 .. that position.
+    tree_masks[b] ([q_len, q_len] bool, or None): b's queries are a tree (chapter 07).
     """
     out = torch.empty_like(q)
     for b in range(len(seq_lens)):
@@ -95,5 +100,6 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
         k = dequantize(gather_kv(k_cache, block_tables[b], seq_len), k_scale)  # [seq_len, KVH, D]
         v = dequantize(gather_kv(v_cache, block_tables[b], seq_len), v_scale)
         positions = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        out[start:end] = _attend(q[start:end], k, v, scale, positions).to(q.dtype)
+        tree = None if tree_masks is None else tree_masks[b]
+        out[start:end] = _attend(q[start:end], k, v, scale, positions, tree).to(q.dtype)
     return out

@@ -226,11 +226,6 @@ class EagleProposer:
     def __init__(self, model, drafter: EagleDrafter, num_speculative_tokens: int = 4,
                  draft_head: str = "reduced", draft_dtype=None, tree_branches: int = 1,
                  tree_side_depth=None):
-        if tree_branches > 1 and model.device.type != "cpu":
-            raise ValueError("tree drafts (tree_branches > 1) are verified on the PyTorch "
-                             "attention path only, the CPU's: the Triton prefill kernel has no "
-                             "tree mask (spec/tree.py says what it needs); use "
-                             "tree_branches=1 (a chain) on a GPU")
         drafter.check_model(model)
         self.tree_branches, self.tree_side_depth = tree_branches, tree_side_depth
         self.model, self.num_speculative_tokens = model, num_speculative_tokens

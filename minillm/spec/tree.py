@@ -36,11 +36,10 @@ drafter; it accepts x with p(x) where a sampled draft gets min(p, q) summed over
 Here the tree runs at batch 1 on a contiguous cache (`tree_generate` in loop.py); the engine
 runs the same walk for every request of a ragged batch on the paged cache
 (speculative_config tree_branches, engine/spec_decode.py): StepMetadata.tree_masks, ANDed into
-the batched attention's causal mask (kernels/batched.py), and `PagedKVCache.compact`.
-The Triton prefill kernel would need the same two inputs: per-token positions (it already
-takes them from StepMetadata) and, in place of its causal test `k_pos <= q_pos`, a per-query
-ancestor bitmask (n <= 64 nodes fit one int64 per query) ANDed in for the keys of the tree's
-own slots. Only the PyTorch path is implemented here.
+the batched attention's causal mask (kernels/batched.py), and `PagedKVCache.compact`. The
+Triton prefill kernel takes the same mask as one int64 of ancestor bits per query
+(`kernels.tree_bits_for`: a tree of at most 64 nodes), ANDed into its causal test
+`k_pos <= q_pos` for the keys of the tree's own slots (kernels/paged_prefill.py).
 """
 from __future__ import annotations
 
