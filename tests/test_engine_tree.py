@@ -288,7 +288,8 @@ def test_bad_tree_options_and_drafts(model, drafter):
                        (dict(tree_branches=True), "tree_branches must be"),
                        (dict(tree_branches=9), "tree_branches must be"),
                        (dict(tree_branches=2, tree_side_depth=4), "tree_side_depth must be"),
-                       (dict(tree_side_depth=1), "set tree_branches >= 2")]:
+                       (dict(tree_side_depth=1), "set tree_branches >= 2"),
+                       (dict(num_speculative_tokens=16, tree_branches=5), "81 nodes")]:
         with pytest.raises(ValueError, match=match):
             LLMEngine(model, None, num_kv_blocks=50, block_size=4,
                       speculative_config={**base, **bad})

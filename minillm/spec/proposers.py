@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.contiguous import ContiguousKVCache
+from ..kernels import MAX_TREE_NODES
 from ..engine.spec_decode import Draft, DraftRequest
 from ..sampling import SamplingParams, draw_from, probs
 from .eagle import (DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_batch, draft_tree,
@@ -263,6 +264,13 @@ class EagleProposer:
         if d is not None and b == 1:
             raise ValueError("tree_side_depth shapes the runner-up branches of a tree: set "
                              "tree_branches >= 2 too, or remove it")
+        nodes = 1 + k + (b - 1) * (k if d is None else d)
+        if nodes > MAX_TREE_NODES:
+            raise ValueError(f"a tree of {nodes} nodes (the root, k = {k}, {b - 1} runner-up "
+                             f"branches of {k if d is None else d}) is too large: at most "
+                             f"{MAX_TREE_NODES}, one int64 of ancestor bits per query in the "
+                             "Triton kernel; lower num_speculative_tokens, tree_branches or "
+                             "tree_side_depth")
         return cfg
 
     @classmethod
