@@ -26,8 +26,7 @@ def model():
     return tiny_model()
 
 
-@pytest.fixture(scope="module")
-def drafter(model):
+def random_drafter(model):
     """A random (untrained) drafter with a reduced head over half the vocabulary."""
     torch.manual_seed(0)
     d = EagleDrafter.for_model(model, torch.arange(0, VOCAB, 2))
@@ -36,33 +35,56 @@ def drafter(model):
     return d.eval()
 
 
-@pytest.fixture(scope="module")
-def workload(model):
-    rng = random.Random(5)
+def small_workload(model, seed: int = 5):
+    """10 short random prompts, 1-20 tokens each, and their sequential greedy outputs."""
+    rng = random.Random(seed)
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(10)]
     max_tokens = [rng.randint(1, 20) for _ in prompts]
     return prompts, max_tokens, sequential(model, prompts, max_tokens)
 
 
-class OracleEagle(EagleProposer):
-    """The real EagleProposer path (draft_batch over the whole batch, each sequence's cache and
-    rollback), but each draft is the reference continuation with probability 0.6 (else a wrong
-    token), so steps mix accepted and rejected drafts. It also checks every feature the engine
-    hands over against a no-cache forward of the target."""
-    reference: dict = {}
+@pytest.fixture(scope="module")
+def drafter(model):
+    return random_drafter(model)
+
+
+@pytest.fixture(scope="module")
+def workload(model):
+    return small_workload(model)
+
+
+class FeatureCheck:
+    """For a stand-in proposer: compares every feature the engine hands over with a no-cache
+    forward of the target. Mismatches are recorded, not asserted inside propose: the engine
+    treats a proposer's exception as "no drafts this step" and would carry on."""
+    reference: dict = {}                  # prompt -> its sequential greedy output
     checked = [0]
     wrong_features: list = []
 
-    def propose(self, requests):
+    @classmethod
+    def start(cls, prompts, expected) -> None:
+        """Before a run: the reference outputs, and no feature checked yet."""
+        cls.reference = {tuple(p): r for p, r in zip(prompts, expected)}
+        cls.checked[0] = 0
+        cls.wrong_features.clear()
+
+    def check_features(self, requests) -> None:
         for r in requests:
             if r.features is not None:
                 ids, m = list(r.token_ids), r.features.shape[0]
                 want = hidden_states(self.model, torch.tensor([ids[:-1]]))[0, -m:]
-                # recorded, not asserted here: the engine treats a proposer's exception as
-                # "no drafts this step" and would carry on
                 if not torch.allclose(r.features, want, atol=1e-4, rtol=1e-4):
                     self.wrong_features.append(len(ids))
                 self.checked[0] += 1
+
+
+class OracleEagle(FeatureCheck, EagleProposer):
+    """The real EagleProposer path (draft_batch over the whole batch, each sequence's cache and
+    rollback), but each draft is the reference continuation with probability 0.6 (else a wrong
+    token), so steps mix accepted and rejected drafts; every feature is checked."""
+
+    def propose(self, requests):
+        self.check_features(requests)
         return super().propose(requests)
 
     def _draw(self, r):
@@ -91,9 +113,7 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_eagle_equals_sequential(model, drafter, workload, mode, monkeypatch):
     prompts, max_tokens, expected = workload
-    OracleEagle.reference = {tuple(p): r for p, r in zip(prompts, expected)}
-    OracleEagle.checked[0] = 0
-    OracleEagle.wrong_features.clear()
+    OracleEagle.start(prompts, expected)
     monkeypatch.setitem(PROPOSERS, "eagle", OracleEagle)
     kw = dict(num_kv_blocks=400, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
     kw.update(MODES[mode])

@@ -21,11 +21,10 @@ from minillm.cache.paged import build_step_metadata
 from minillm.engine import LLMEngine
 from minillm.engine.spec_decode import Draft, DraftRequest, check_drafts
 from minillm.kernels import batched
-from minillm.spec.eagle import EagleDrafter
-from minillm.spec.medusa import hidden_states
 from minillm.spec.proposers import PROPOSERS, EagleProposer
 from minillm.spec.tree import masked_attention_reference, tree_mask
 
+from test_eagle import FeatureCheck, random_drafter, small_workload
 from test_engine_modes import VOCAB, check_invariants, run_engine, sequential, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -38,19 +37,12 @@ def model():
 
 @pytest.fixture(scope="module")
 def drafter(model):
-    torch.manual_seed(0)
-    d = EagleDrafter.for_model(model, torch.arange(0, VOCAB, 2))
-    with torch.no_grad():
-        d.fc.weight.normal_(0, 0.2)
-    return d.eval()
+    return random_drafter(model)
 
 
 @pytest.fixture(scope="module")
 def workload(model):
-    rng = random.Random(7)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(2, 12))] for _ in range(10)]
-    max_tokens = [rng.randint(1, 20) for _ in prompts]
-    return prompts, max_tokens, sequential(model, prompts, max_tokens)
+    return small_workload(model, seed=7)
 
 
 @pytest.mark.parametrize("context", [0, 5, 11])
@@ -85,25 +77,13 @@ def test_batched_attention_with_a_tree_mask_equals_masked_attention(context):
         torch.testing.assert_close(out[rows], want, atol=1e-5, rtol=1e-5)
 
 
-class OracleTree(EagleProposer):
+class OracleTree(FeatureCheck, EagleProposer):
     """Trees of two branches built from the reference continuation: the right next token sits
     on branch 0 or branch 1 at random (so the kept branch often is not the first and its K/V
-    must move), later nodes are right with probability 0.7. It also checks every feature the
-    engine hands over against a no-cache forward of the target."""
-    reference: dict = {}
-    checked = [0]
-    wrong_features: list = []
+    must move), later nodes are right with probability 0.7; every feature is checked."""
 
     def propose(self, requests):
-        for r in requests:
-            if r.features is not None:
-                ids, m = list(r.token_ids), r.features.shape[0]
-                want = hidden_states(self.model, torch.tensor([ids[:-1]]))[0, -m:]
-                # recorded, not asserted here: the engine treats a proposer's exception as
-                # "no drafts this step" and would carry on
-                if not torch.allclose(r.features, want, atol=1e-4, rtol=1e-4):
-                    self.wrong_features.append(len(ids))
-                self.checked[0] += 1
+        self.check_features(requests)
         return [self._oracle_tree(r) for r in requests]
 
     def _oracle_tree(self, r: DraftRequest) -> Draft:
@@ -143,9 +123,7 @@ MODES = {
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_tree_drafts_equal_sequential(model, drafter, workload, mode, monkeypatch):
     prompts, max_tokens, expected = workload
-    OracleTree.reference = {tuple(p): r for p, r in zip(prompts, expected)}
-    OracleTree.checked[0] = 0
-    OracleTree.wrong_features.clear()
+    OracleTree.start(prompts, expected)
     monkeypatch.setitem(PROPOSERS, "eagle", OracleTree)
     kw = dict(num_kv_blocks=400, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
     kw.update(MODES[mode])
@@ -176,7 +154,7 @@ def test_tree_steps_through_the_triton_kernels(model, drafter, workload, monkeyp
     prompts, _, _ = workload
     ps, mt = prompts[:3], [6, 4, 5]
     expected = sequential(model, ps, mt)
-    OracleTree.reference = {tuple(p): r for p, r in zip(ps, expected)}
+    OracleTree.start(ps, expected)
     monkeypatch.setitem(PROPOSERS, "eagle", OracleTree)
     engine = LLMEngine(model, None, num_kv_blocks=100, block_size=4,
                        speculative_config=dict(method="eagle", num_speculative_tokens=3,
