@@ -205,6 +205,10 @@ def test_narrow_trees_are_drafted_for_the_batch_at_once(model, drafter, side_dep
         nodes, parents = draft_tree(drafter, model, new_state(drafter, 32), s, None, k, 2,
                                     True, 1)
         assert d.token_ids == nodes[1:] and d.parents == parents and d.probs is None
+    near_end = prop.propose([DraftRequest(seqs[0], ks[0], SamplingParams(), None,
+                                          max_nodes=ks[0])])[0]        # no room for runner-ups
+    assert near_end.token_ids == got[0].token_ids[:ks[0]]
+    assert near_end.parents == [-1] + list(range(ks[0]))
     if side_depth is None:                                    # k = 2: a deep side branch
         prop.propose([DraftRequest(seqs[0], 2, SamplingParams(), None)])
         assert len(calls) == 1

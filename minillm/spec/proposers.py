@@ -305,10 +305,12 @@ class EagleProposer:
         if not trees:
             return [Draft(ids, torch.stack(qs) if qs else None, st)
                     for (ids, qs), st in zip(out, states)]
-        return [Draft(ids + sd, None, st, [-1] + list(range(len(ids))) + [0] * len(sd))
-                if r.max_nodes is None or len(ids) + len(sd) <= r.max_nodes
-                else Draft(ids, None, st, [-1] + list(range(len(ids))))
-                for (ids, _), sd, st, r in zip(out, side, states, requests)]
+        drafts = []
+        for (ids, _), sd, st, r in zip(out, side, states, requests):
+            if r.max_nodes is not None and len(ids) + len(sd) > r.max_nodes:
+                sd = []                                      # near the context's end: the chain
+            drafts.append(Draft(ids + sd, None, st, [-1] + list(range(len(ids))) + [0] * len(sd)))
+        return drafts
 
     def _tree(self, r: DraftRequest, state: EagleState) -> Draft:
         """One request's static tree (draft_tree, this sequence alone): one-hot ranked drafts,
