@@ -119,6 +119,25 @@ def causal_attention(q, k, v, q_start: int = 0):
     return out.to(q.dtype)
 
 
+def gqa_attention(q, k, v, attn_mask=None, scale=None):
+    """F.scaled_dot_product_attention with grouped-query heads: q [B, H, Tq, D], k/v
+    [B, KVH, L, D] -> [B, H, Tq, D]; attn_mask broadcasts to [B, 1, Tq, L] (or is None).
+
+    With one query per sequence (a decode step) the H / KVH query heads that share a KV head
+    ride as that head's queries: q is viewed as [B, KVH, H / KVH, D], so attention reads each
+    key and value once for its whole group instead of once per query head (enable_gqa's
+    way). "Head folding"; the same numbers up to float rounding. On the course's Xeon, fp32,
+    it took 0.4-0.8x the time of enable_gqa at 1-16 sequences of 64-256 keys."""
+    B, H, Tq, D = q.shape
+    KVH = k.shape[1]
+    if Tq == 1 and H != KVH:
+        out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), k, v,
+                                             attn_mask=attn_mask, scale=scale)
+        return out.reshape(B, H, 1, D)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale,
+                                          enable_gqa=H != KVH)
+
+
 def fused_causal_attention(q, k, v, q_start: int = 0):
     """causal_attention's contract (same shapes, same positions) through PyTorch's fused
     attention, in fp32: what the contiguous caches run. One query needs no mask (it sees every
@@ -128,9 +147,8 @@ def fused_causal_attention(q, k, v, q_start: int = 0):
     if Tq > 1:
         seen = (torch.arange(Tk, device=q.device)[None, :]
                 <= q_start + torch.arange(Tq, device=q.device)[:, None])        # [Tq, Tk]
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
-        attn_mask=seen, enable_gqa=q.shape[2] != k.shape[2])                   # [B, H, Tq, D]
+    out = gqa_attention(q.float().transpose(1, 2), k.float().transpose(1, 2),
+                        v.float().transpose(1, 2), attn_mask=seen)             # [B, H, Tq, D]
     return out.transpose(1, 2).to(q.dtype)
 
 

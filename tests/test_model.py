@@ -340,6 +340,29 @@ def test_contiguous_cache_attention_equals_its_twin(dtype):
         cache.advance(T)
 
 
+@pytest.mark.parametrize("heads,kv_heads,tq", [(6, 2, 1), (6, 2, 3), (4, 4, 1), (8, 1, 1)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_gqa_attention_equals_attention_over_repeated_kv_heads(heads, kv_heads, tq, masked):
+    """gqa_attention (one query: the query heads folded onto their KV head) against plain
+    softmax attention with each KV head repeated for its group, ragged key masks included."""
+    from minillm.model import gqa_attention
+    g = torch.Generator().manual_seed(heads * 10 + tq)
+    B, L, D = 3, 11, 8
+    q = torch.randn(B, heads, tq, D, generator=g)
+    k, v = (torch.randn(B, kv_heads, L, D, generator=g) for _ in range(2))
+    mask = None
+    if masked:                                       # sequence b sees its first 11 - 3b keys
+        mask = (torch.arange(L)[None, :] < torch.tensor([11, 8, 5])[:, None])[:, None, None]
+    out = gqa_attention(q, k, v, attn_mask=mask, scale=0.3)
+    kr, vr = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, kr) * 0.3
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    want = torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), vr)
+    assert out.shape == (B, heads, tq, D)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
 def test_random_presets_build_at_real_shapes():
     for name in configs.names():
         cfg = configs.get(name)

@@ -9,7 +9,8 @@ einsums in every layer. Here the whole batch takes ONE gather and ONE attention 
                                                   blocks are consecutive is a view, no copy
     visible[b, i, j]           key j <= position of query i (keys past seq_len[b] fail too;
                                None when every query sees every key: one decode, or equal ones)
-    scaled_dot_product_attention(q [B, H, Tq, D], keys, values, visible, enable_gqa=True)
+    gqa_attention(q [B, H, Tq, D], keys, values, visible)   minillm.model's fused attention: a
+                               decode's query heads folded onto their KV head (keys read once)
 
 Sequences that bring one query (decodes) form one group with Tq = 1; sequences that bring
 several (prefill chunks) another, their queries padded to the longest chunk. A padding query
@@ -33,8 +34,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
+from ..model import gqa_attention
 from .kv_quant import as_bytes, quantize
 
 
@@ -186,9 +187,8 @@ def run(plan: Plan, q, k_cache, v_cache, scale, k_scale=1.0, v_scale=1.0):
         k = _keys(k_cache, g.keys).to(dt)                              # [G, KVH, L, D]
         v = _keys(v_cache, g.keys).to(dt)
         qg = q[:, None] if g.q_index is None else q[g.q_index]         # [G, Tq, H, D]
-        o = F.scaled_dot_product_attention(
-            qg.transpose(1, 2).to(dt), k, v, attn_mask=g.visible, scale=scale,
-            enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)                # [G, Tq, H, D]
+        o = gqa_attention(qg.transpose(1, 2).to(dt), k, v, attn_mask=g.visible,
+                          scale=scale).transpose(1, 2)                          # [G, Tq, H, D]
         o = (o * v_scale if v_scale != 1.0 else o).to(q.dtype)
         if g.q_index is None:                                          # decodes, rows in order
             return o.reshape(q.shape)
