@@ -59,12 +59,16 @@ def main(argv=None):
     p.add_argument("--bf16-attention", choices=["auto", "on", "off"], default="auto",
                    help="bf16 queries attend in bf16 (on), upcast to fp32 (off), or by the CPU's "
                         "AMX (auto: minillm.kernels.batched.bf16_attention_here)")
+    p.add_argument("--gqa-fold", choices=["on", "off"], default="on",
+                   help="a decode's query heads folded onto their KV head in attention (on, "
+                        "the default) or enable_gqa's way (off): minillm.model.FOLD_GQA")
     p.add_argument("--label", default="")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]            # at the start, before this run adds to it
     from minillm.kernels import batched
     batched.BF16_ATTENTION = {"auto": None, "on": True, "off": False}[args.bf16_attention]
+    minillm.model.FOLD_GQA = args.gqa_fold == "on"
     torch.set_num_threads(args.threads)
     name = args.model
     if args.skeleton:
@@ -88,7 +92,7 @@ def main(argv=None):
                      "top_ops": [[n, round(c, 1), round(ms, 3)] for n, c, ms in prof.rows[:10]]})
     record = {"benchmark": "step_profile", "label": args.label, "model": model.config.name,
               "dtype": args.dtype, "quantization": args.quantization, "context": args.context,
-              "bf16_attention": batched.bf16_attention_here(),
+              "bf16_attention": batched.bf16_attention_here(), "gqa_fold": minillm.model.FOLD_GQA,
               "threads": args.threads,
               "device": cpu_model(), "date": datetime.datetime.now(datetime.timezone.utc)
               .strftime("%Y-%m-%dT%H:%MZ"), "torch": torch.__version__,

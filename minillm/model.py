@@ -119,6 +119,9 @@ def causal_attention(q, k, v, q_start: int = 0):
     return out.to(q.dtype)
 
 
+FOLD_GQA = True      # gqa_attention folds a decode's query heads (False: enable_gqa's way)
+
+
 def gqa_attention(q, k, v, attn_mask=None, scale=None):
     """F.scaled_dot_product_attention with grouped-query heads: q [B, H, Tq, D], k/v
     [B, KVH, L, D] -> [B, H, Tq, D]; attn_mask broadcasts to [B, 1, Tq, L] (or is None).
@@ -127,10 +130,11 @@ def gqa_attention(q, k, v, attn_mask=None, scale=None):
     ride as that head's queries: q is viewed as [B, KVH, H / KVH, D], so attention reads each
     key and value once for its whole group instead of once per query head (enable_gqa's
     way). "Head folding"; the same numbers up to float rounding. On the course's Xeon, fp32,
-    it took 0.4-0.8x the time of enable_gqa at 1-16 sequences of 64-256 keys."""
+    it took 0.4-0.8x the time of enable_gqa at 1-16 sequences of 64-256 keys (FOLD_GQA = False
+    switches it off, for measurements)."""
     B, H, Tq, D = q.shape
     KVH = k.shape[1]
-    if Tq == 1 and H != KVH:
+    if Tq == 1 and H != KVH and FOLD_GQA:
         out = F.scaled_dot_product_attention(q.reshape(B, KVH, H // KVH, D), k, v,
                                              attn_mask=attn_mask, scale=scale)
         return out.reshape(B, H, 1, D)

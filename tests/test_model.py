@@ -342,10 +342,14 @@ def test_contiguous_cache_attention_equals_its_twin(dtype):
 
 @pytest.mark.parametrize("heads,kv_heads,tq", [(6, 2, 1), (6, 2, 3), (4, 4, 1), (8, 1, 1)])
 @pytest.mark.parametrize("masked", [False, True])
-def test_gqa_attention_equals_attention_over_repeated_kv_heads(heads, kv_heads, tq, masked):
-    """gqa_attention (one query: the query heads folded onto their KV head) against plain
-    softmax attention with each KV head repeated for its group, ragged key masks included."""
+@pytest.mark.parametrize("fold", [True, False])
+def test_gqa_attention_equals_attention_over_repeated_kv_heads(heads, kv_heads, tq, masked, fold,
+                                                               monkeypatch):
+    """gqa_attention (one query: the query heads folded onto their KV head; or enable_gqa's
+    way with FOLD_GQA off) against plain softmax attention with each KV head repeated for its
+    group, ragged key masks included."""
     from minillm.model import gqa_attention
+    monkeypatch.setattr(minillm.model, "FOLD_GQA", fold)
     g = torch.Generator().manual_seed(heads * 10 + tq)
     B, L, D = 3, 11, 8
     q = torch.randn(B, heads, tq, D, generator=g)
