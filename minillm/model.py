@@ -129,9 +129,9 @@ def gqa_attention(q, k, v, attn_mask=None, scale=None):
     With one query per sequence (a decode step) the H / KVH query heads that share a KV head
     ride as that head's queries: q is viewed as [B, KVH, H / KVH, D], so attention reads each
     key and value once for its whole group instead of once per query head (enable_gqa's
-    way). "Head folding"; the same numbers up to float rounding. On the course's Xeon, fp32,
-    it took 0.4-0.8x the time of enable_gqa at 1-16 sequences of 64-256 keys (FOLD_GQA = False
-    switches it off, for measurements)."""
+    way). "Head folding"; the same numbers up to float rounding. On the course's Xeon it took
+    0.37-0.85x the time of enable_gqa in fp32 (0.33-0.83x in bf16) at 1-16 sequences of 64-256
+    keys (FOLD_GQA = False switches it off, for measurements)."""
     B, H, Tq, D = q.shape
     KVH = k.shape[1]
     if Tq == 1 and H != KVH and FOLD_GQA:
