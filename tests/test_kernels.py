@@ -386,6 +386,9 @@ def test_paged_prefill_with_tree_masks(nodes):
         K.tree_bits_for(cu, (mask[:-1, :-1], None, None), q.shape[0], DEVICE)
     with pytest.raises(ValueError, match="one per sequence"):
         K.paged_prefill_attention(*args, impl="triton", tree_masks=(mask,))
+    for impl in ("torch", "reference"):          # a mask smaller than its queries: refused too
+        with pytest.raises(ValueError, match="tree_masks\\[0\\] has shape"):
+            K.paged_prefill_attention(*args, impl=impl, tree_masks=(mask[:-1, :-1], None, None))
 
 
 def test_paged_prefill_without_max_query_len_and_odd_head_dim():

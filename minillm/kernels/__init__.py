@@ -187,6 +187,7 @@ def paged_prefill_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_t
         checks.require(len(tree_masks) == batch,
                        f"tree_masks has {len(tree_masks)} entries for {batch} sequences; give "
                        "one per sequence (None where its queries are not a tree)")
+        _check_tree_masks(cu_seqlens_q.tolist(), tree_masks)           # every impl
     chosen = choose_impl(impl, k_cache.device)
     if chosen == "triton":
         from .paged_prefill import paged_prefill_triton
@@ -209,6 +210,18 @@ def tree_bits_for(cu_seqlens_q, tree_masks, num_tokens: int, device) -> torch.Te
     it sees node j of its tree; -1 (every bit) for the queries of other sequences."""
     bits = torch.full((num_tokens,), -1, dtype=torch.int64)
     cu = cu_seqlens_q.tolist()
+    _check_tree_masks(cu, tree_masks)
+    for b, m in enumerate(tree_masks):
+        if m is None:
+            continue
+        n = m.shape[0]
+        weights = torch.ones(n, dtype=torch.int64) << torch.arange(n)       # bit j = 2^j
+        bits[cu[b]:cu[b + 1]] = (m.cpu().long() * weights).sum(1)          # wraps at bit 63
+    return bits.to(device)
+
+
+def _check_tree_masks(cu: list, tree_masks) -> None:
+    """Each mask [q_len, q_len] for its sequence's queries, at most MAX_TREE_NODES of them."""
     for b, m in enumerate(tree_masks):
         if m is None:
             continue
@@ -218,6 +231,3 @@ def tree_bits_for(cu_seqlens_q, tree_masks, num_tokens: int, device) -> torch.Te
                        f"tree_masks[{b}] has shape {tuple(m.shape)}; it must be [q_len, q_len] "
                        f"for that sequence's q_len = {cu[b + 1] - cu[b]} queries, at most "
                        f"{MAX_TREE_NODES} (one int64 of bits per query)")
-        weights = torch.ones(n, dtype=torch.int64) << torch.arange(n)       # bit j = 2^j
-        bits[cu[b]:cu[b + 1]] = (m.cpu().long() * weights).sum(1)          # wraps at bit 63
-    return bits.to(device)
