@@ -176,6 +176,26 @@ def test_batched_prefill_matches_the_reference(block_size, group):
                  torch.float32)
 
 
+@pytest.mark.parametrize("seq_lens,tree", [([7], False), ([5, 17, 9], False), ([12, 6], True)],
+                         ids=["one-sequence", "ragged", "tree"])
+def test_batched_equal_chunks_are_a_view_and_match_the_reference(seq_lens, tree):
+    """Every sequence verifying the same number of drafts (3 queries each): the plan is one
+    group over q's rows as they are (no index, no scatter back), and the output is the
+    reference's; with a tree mask on the first sequence too."""
+    from minillm.spec.tree import tree_mask
+    n, bs = 3, 4
+    k_cache, v_cache, tables, lens, _, _ = paged_kv(seq_lens, bs)
+    cu = torch.arange(0, n * len(seq_lens) + 1, n, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(n * len(seq_lens), KV_HEADS * 3, HEAD_DIM, device=DEVICE)
+    masks = (tree_mask([-1, 0, 0]),) + (None,) * (len(seq_lens) - 1) if tree else None
+    plan = batched.plan_prefill(cu, lens, tables, bs, masks)
+    assert len(plan.groups) == 1 and plan.groups[0].q_index is None
+    assert plan.groups[0].q_len == n
+    args = (q, k_cache, v_cache, cu, lens, tables, HEAD_DIM ** -0.5)
+    assert_close(batched.paged_prefill_attention(*args, tree_masks=masks),
+                 reference.paged_prefill_attention(*args, tree_masks=masks), torch.float32)
+
+
 @pytest.mark.parametrize("pad", [-1, 10**6])
 def test_batched_never_follows_a_padding_entry(pad):
     """Table entries past a sequence's blocks may hold anything (-1, an id past the pool): the

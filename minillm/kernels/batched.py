@@ -13,7 +13,9 @@ einsums in every layer. Here the whole batch takes ONE gather and ONE attention 
                                decode's query heads folded onto their KV head (keys read once)
 
 Sequences that bring one query (decodes) form one group with Tq = 1; sequences that bring
-several (prefill chunks) another, their queries padded to the longest chunk. A padding query
+several (prefill chunks) another, their queries padded to the longest chunk. When every
+sequence brings the same number (speculative verification of k drafts each), q's rows are
+already [B, Tq] in order: one group, a view, no padding and no scatter back. A padding query
 sees only key 0, so no row is all -inf, and its output is dropped. Results equal the reference
 up to float rounding (tests/test_kernels.py compares them).
 
@@ -45,9 +47,11 @@ class Group:
     keys: object                    # slice(start, start + L) of the flat pool (one sequence
                                     # whose blocks are consecutive: a view, no copy) or
                                     # [G, L] int64 slot of each key (a gather)
-    q_index: Optional[torch.Tensor] # [G, Tq] q row of each (padded) query (None: rows 0..G-1)
+    q_index: Optional[torch.Tensor] # [G, Tq] q row of each (padded) query (None: the rows in
+                                    # order, q_len per sequence: a view of q, the only group)
     valid: Optional[torch.Tensor]   # [G, Tq] real queries (None: all real)
     visible: Optional[torch.Tensor] # [G, 1, Tq, L] key j visible to query i (None: all keys)
+    q_len: int = 1                  # Tq when q_index is None
 
 
 @dataclass
@@ -109,6 +113,13 @@ def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int,
         groups.append(_make_group(block_tables[idx], seq_lens[idx], q_index, positions, None,
                                   block_size))
     many = [b for b, n in enumerate(q_lens) if n > 1]
+    if many and not one and len(set(q_lens)) == 1:                   # equal chunks (verifying
+        n = q_lens[0]                                                # k drafts each): q as is
+        positions = seq_lens.long()[:, None] - n + torch.arange(n, device=dev)[None, :]
+        group = _make_group(block_tables, seq_lens, None, positions, None, block_size)
+        group.q_len = n
+        _and_trees(group, range(len(q_lens)), seq_lens, tree_masks)
+        return Plan([group])
     if many:                                                         # chunks: padded to Tq
         idx = torch.tensor(many, device=dev)
         lens = torch.tensor([q_lens[b] for b in many], device=dev)                 # [G]
@@ -120,13 +131,19 @@ def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int,
         positions = torch.where(valid, positions, 0)          # padding queries see key 0 only
         group = _make_group(block_tables[idx], seq_lens[idx], q_index, positions, valid,
                             block_size)
-        for g, b in enumerate(many):
-            m = None if tree_masks is None else tree_masks[b]
-            if m is not None:                                # AND the tree into the causal mask
-                n, end = m.shape[0], int(seq_lens[b])
-                group.visible[g, 0, :n, end - n:end] &= m
+        _and_trees(group, many, seq_lens, tree_masks)
         groups.append(group)
     return Plan(groups)
+
+
+def _and_trees(group: Group, members, seq_lens, tree_masks) -> None:
+    """AND each member's tree mask (if any) into the group's causal mask: member b's n queries
+    see the last n slots only where tree_masks[b] says."""
+    for g, b in enumerate(members):
+        m = None if tree_masks is None else tree_masks[b]
+        if m is not None:
+            n, end = m.shape[0], int(seq_lens[b])
+            group.visible[g, 0, :n, end - n:end] &= m
 
 
 def plan_store(plan: Plan, slot_mapping) -> Plan:
@@ -186,11 +203,12 @@ def run(plan: Plan, q, k_cache, v_cache, scale, k_scale=1.0, v_scale=1.0):
     for g in plan.groups:
         k = _keys(k_cache, g.keys).to(dt)                              # [G, KVH, L, D]
         v = _keys(v_cache, g.keys).to(dt)
-        qg = q[:, None] if g.q_index is None else q[g.q_index]         # [G, Tq, H, D]
+        qg = (q.view(-1, g.q_len, *q.shape[1:]) if g.q_index is None  # [G, Tq, H, D]
+              else q[g.q_index])
         o = gqa_attention(qg.transpose(1, 2).to(dt), k, v, attn_mask=g.visible,
                           scale=scale).transpose(1, 2)                          # [G, Tq, H, D]
         o = (o * v_scale if v_scale != 1.0 else o).to(q.dtype)
-        if g.q_index is None:                                          # decodes, rows in order
+        if g.q_index is None:                              # decodes or equal chunks, in order
             return o.reshape(q.shape)
         if out is None:
             out = torch.empty_like(q)
