@@ -11,8 +11,8 @@ import torch
 from minillm import SamplingParams
 from minillm.engine import LLMEngine
 from minillm.spec import eagle as eagle_mod
-from minillm.spec.eagle import (EagleDrafter, draft_batch, draft_chain, new_state, reserve,
-                                true_features)
+from minillm.spec.eagle import (EagleDrafter, PrefixFeatures, draft_batch, draft_chain,
+                                new_state, reserve, true_features)
 from minillm.spec.medusa import hidden_states
 from minillm.spec.proposers import PROPOSERS, EagleProposer
 
@@ -151,6 +151,65 @@ def test_prefix_cache_hit_and_n2_with_the_real_drafter(model, drafter, workload,
         assert [c.token_ids for c in outs[str(i)].outputs] == [ref[i], ref[i]]
     assert engine.spec_decode_stats.num_draft_tokens > 0
     check_invariants(engine)
+
+
+def test_missing_features_are_recomputed_for_the_prefix_only_and_kept(model):
+    """A new drafter state with the engine's features of its newest positions only (the rest
+    came from the prefix cache): the positions before are recomputed, and together they are
+    the target's features; a second sequence with the same prefix reuses the memo's rows; the
+    memo drops its oldest prefix past max_tokens."""
+    rng = random.Random(11)
+    ids = [rng.randrange(VOCAB) for _ in range(14)]
+    want = hidden_states(model, torch.tensor([ids[:-1]]))[0]                 # [13, C]
+    memo = PrefixFeatures(max_tokens=12)
+    start, got = true_features(model, new_state(random_drafter(model), 32), ids,
+                               want[-5:], memo)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert start == 0 and (memo.misses, memo.hits) == (1, 0)
+    assert [len(k) for k in memo._rows] == [8]                 # the 8 positions it lacked
+    other = ids[:8] + [rng.randrange(VOCAB) for _ in range(4)]               # same prefix
+    want2 = hidden_states(model, torch.tensor([other[:-1]]))[0]
+    _, got2 = true_features(model, new_state(random_drafter(model), 32), other, want2[-3:], memo)
+    torch.testing.assert_close(got2, want2, rtol=1e-5, atol=1e-5)
+    assert (memo.misses, memo.hits) == (1, 1)
+    memo.get(model, other[:6])                                  # 8 + 6 > 12: the oldest goes
+    assert [len(k) for k in memo._rows] == [6] and memo.tokens == 6
+
+
+def test_a_shared_template_is_recomputed_once(model, drafter):
+    """Two requests that hit the prefix cache on the same template (two blocks) after a first
+    one computed it: the proposer recomputes the template's features once, and the outputs
+    are still sequential greedy's."""
+    rng = random.Random(12)
+    template = [rng.randrange(VOCAB) for _ in range(8)]
+    ps = [template + [rng.randrange(VOCAB) for _ in range(3)] for _ in range(3)]
+    ref = sequential(model, ps, [10] * 3)
+    engine = LLMEngine(model, None, num_kv_blocks=200, block_size=4,
+                       speculative_config=dict(method="eagle", num_speculative_tokens=2,
+                                               eagle_weights=drafter))
+    outs, _ = run_engine(engine, ps, [10] * 3, arrive_at=[0, 3, 3])
+    assert [outs[str(i)].token_ids for i in range(3)] == ref
+    memo = engine.proposer.prefix_features
+    assert (memo.misses, memo.hits) == (1, 1) and [len(k) for k in memo._rows] == [8]
+    check_invariants(engine)
+
+
+def test_the_drafter_takes_the_targets_few_row_products(model, monkeypatch):
+    """On a CPU the proposer gives the drafter's layer the 1-3 row products chosen for the
+    target's weights of the same shapes (tune_skinny's per-shape choices), not the untuned
+    defaults."""
+    from minillm import model as model_mod
+    drafter, choices = random_drafter(model), {}                # untuned: the class defaults
+    for m in drafter.layer.modules():
+        if isinstance(m, model_mod.Linear):
+            key = (tuple(m.weight.shape), m.bias is not None, torch.get_num_threads())
+            choices[key] = {"skinny": ("linear", {}), "few": ("linear", {})}
+    assert choices and all(m.skinny != "linear" for m in drafter.layer.modules()
+                           if isinstance(m, model_mod.Linear))
+    monkeypatch.setattr(model_mod, "_SKINNY_CHOICE", choices)
+    prop = EagleProposer(model, drafter)
+    tuned = [m for m in prop.drafter.layer.modules() if isinstance(m, model_mod.Linear)]
+    assert tuned and all(m.skinny == "linear" and m.few == "linear" for m in tuned)
 
 
 def test_the_cache_keeps_only_true_feature_positions(model, drafter):

@@ -23,7 +23,9 @@ positions fed with the target's true features stay; positions fed with the draft
 are dropped after every call (the cache's length is set back), so a rejection needs no other
 rollback: the next call feeds the accepted tokens' true features at those positions. When the
 true features of some positions never reached the proposer (a prompt computed in several chunks,
-a prefix-cache hit, a forked sample), it recomputes them with one no-cache target pass.
+a prefix-cache hit, a forked sample), it recomputes them with one no-cache target pass over
+the positions that lack them; a proposer keeps those rows for the next sequence with the same
+prefix (`PrefixFeatures`: a chat template is recomputed once, not once per request).
 
 A batch drafts together (`draft_batch`): one drafter pass takes every sequence's new positions
 (rows right-padded to the longest), then each draft step feeds all sequences still drafting at
@@ -210,18 +212,55 @@ def reserve(drafter: EagleDrafter, state: EagleState, num_tokens: int) -> None:
     state.cache = bigger
 
 
-def true_features(model, state: EagleState, token_ids: list, features) -> tuple:
+class PrefixFeatures:
+    """The target's features of token prefixes that a proposer had to recompute, kept for the
+    next sequence with the same prefix (least recently used dropped past `max_tokens` positions).
+
+    The engine's prefix cache skips the positions a request shares with an earlier one (a chat
+    template, a system prompt): their K/V come from the pool, so the target never computes their
+    features, and a NEW drafter state must recompute them (a target pass over those positions).
+    Every request with the same template would pay that pass again; with this memo only the
+    first does. Features depend on the prefix alone (causal attention), so the memo's rows are
+    the rows a recompute would give."""
+
+    def __init__(self, max_tokens: int = 8192):
+        self.max_tokens, self.tokens, self.hits, self.misses = max_tokens, 0, 0, 0
+        self._rows: dict = {}                                  # tuple(ids) -> [len(ids), C]
+
+    def get(self, model, ids: list) -> torch.Tensor:
+        """The target's features [len(ids), C] of the prefix ids (recomputed on a miss)."""
+        key = tuple(ids)
+        rows = self._rows.pop(key, None)
+        if rows is None:
+            self.misses += 1
+            rows = hidden_states(model, torch.tensor([ids], device=model.device))[0]
+            self.tokens += len(ids)
+        else:
+            self.hits += 1
+        self._rows[key] = rows                                 # newest last
+        while self.tokens > self.max_tokens and len(self._rows) > 1:
+            self.tokens -= len(self._rows.pop(next(iter(self._rows))))
+        return rows
+
+
+def true_features(model, state: EagleState, token_ids: list, features,
+                  memo: Optional[PrefixFeatures] = None) -> tuple:
     """(first position to feed, the target's features [n, C] of positions start .. N - 2).
     `features` [m, C] are the newest positions' features (N - 1 - m .. N - 2) from the engine,
-    or None; positions before those that the state lacks are recomputed (one target pass)."""
+    or None; the positions before those that the state lacks are recomputed (one target pass
+    over the prefix that lacks features; through `memo` when given)."""
     N = len(token_ids)
     known = len(state.token_ids) - 1 if state.token_ids == token_ids[:len(state.token_ids)] else 0
     start = max(0, min(known, N - 2))                          # feed at least one position
     m = 0 if features is None else features.shape[0]
     if m and N - 1 - m <= start:
         return start, features[start - (N - 1 - m):]
-    ids = torch.tensor([token_ids[:N - 1]], device=model.device)
-    return start, hidden_states(model, ids)[0, start:]          # recompute: [N - 1 - start, C]
+    missing = token_ids[:N - 1 - m]                            # positions 0 .. N - 2 - m
+    rows = (memo.get(model, missing) if memo is not None else
+            hidden_states(model, torch.tensor([missing], device=model.device))[0])
+    if m:
+        rows = torch.cat((rows, features.to(rows.dtype)))      # [N - 1, C]
+    return start, rows[start:]                                 # [N - 1 - start, C]
 
 
 class RaggedCaches:
@@ -259,17 +298,19 @@ class RaggedCaches:
 
 @torch.inference_mode()
 def draft_batch(drafter: EagleDrafter, model, states: list, token_lists: list, features: list,
-                ks: list, draws: list, reduced: bool = True) -> list:
+                ks: list, draws: list, reduced: bool = True,
+                memo: Optional[PrefixFeatures] = None) -> list:
     """ks[b] drafts after token_lists[b] for every sequence b of a batch, each drafter pass and
     head product shared by the sequences still drafting. `draws[b](logits [1, V]) -> (ids, q or
-    None)` picks row b's drafts. Returns [(draft ids, [q rows] or [])] per sequence."""
+    None)` picks row b's drafts; `memo` keeps recomputed prefix features (PrefixFeatures).
+    Returns [(draft ids, [q rows] or [])] per sequence."""
     B, dev = len(states), model.device
     if len({id(st) for st in states}) < B:
         raise ValueError("two sequences share one EagleState: each needs its own (new_state)")
     rows = []
     for st, ids, f, k in zip(states, token_lists, features, ks):
         N = len(ids)
-        start, feats = true_features(model, st, ids, f)              # [N - 1 - start, C]
+        start, feats = true_features(model, st, ids, f, memo)        # [N - 1 - start, C]
         reserve(drafter, st, N + k)
         st.cache.seq_len = start
         rows.append((feats, ids[start + 1:N]))                       # fed at start .. N - 2
@@ -314,7 +355,7 @@ def draft_chain(drafter: EagleDrafter, model, state: EagleState, token_ids: list
 @torch.inference_mode()
 def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list, features,
                k: int, branches: int = 2, reduced: bool = True,
-               side_depth: Optional[int] = None) -> tuple:
+               side_depth: Optional[int] = None, memo: Optional[PrefixFeatures] = None) -> tuple:
     """A static tree for greedy verification (tree.py): the drafter's top `branches` tokens at
     depth 1; the first continued greedily to depth k, the others to `side_depth` (default k).
     Returns (tokens [n], parents [n]) with node 0 the last token (the root): with d = side_depth,
@@ -325,7 +366,7 @@ def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list,
     if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= k:
         raise ValueError(f"side_depth must be an integer in 1..k={k}, got {side_depth!r}")
     N = len(token_ids)
-    start, feats = true_features(model, state, token_ids, features)
+    start, feats = true_features(model, state, token_ids, features, memo)
     reserve(drafter, state, N + k)
     state.cache.seq_len = start
     nxt = torch.tensor([token_ids[start + 1:N]], device=model.device)
@@ -348,4 +389,4 @@ def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list,
 
 
 __all__ = ["EagleDrafter", "EagleState", "DEFAULT_EAGLE_WEIGHTS", "draft_chain", "draft_batch",
-           "draft_tree", "new_state", "RaggedCaches"]
+           "draft_tree", "new_state", "RaggedCaches", "PrefixFeatures"]
