@@ -38,8 +38,9 @@ from ..cache.contiguous import ContiguousKVCache
 from ..kernels import MAX_TREE_NODES
 from ..engine.spec_decode import Draft, DraftRequest
 from ..sampling import SamplingParams, draw_from, probs
-from .eagle import (DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, draft_batch, draft_tree,
-                    new_state)
+from ..model import tune_skinny
+from .eagle import (DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, PrefixFeatures, draft_batch,
+                    draft_tree, new_state)
 from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import check_lookup, ngram_propose
 
@@ -239,7 +240,10 @@ class EagleProposer:
         if (w.device, w.dtype) != (model.device, dtype):      # a converted copy: the caller's
             drafter = copy.deepcopy(drafter).to(device=model.device, dtype=dtype)   # stays as is
         self.drafter = drafter.eval()
+        if w.device.type == "cpu":       # the drafter's layer has the target's shapes: the same
+            tune_skinny(self.drafter)    # 1-3 row products the loader chose for the target
         self.reduced = draft_head == "reduced"
+        self.prefix_features = PrefixFeatures()     # prompts' features the engine skipped
 
     @classmethod
     def check_config(cls, cfg: dict) -> dict:
@@ -301,7 +305,7 @@ class EagleProposer:
                  for r, sd in zip(requests, side)]
         out = draft_batch(self.drafter, self.model, states, [list(r.token_ids) for r in requests],
                           [r.features for r in requests], [r.num_drafts for r in requests],
-                          draws, self.reduced)
+                          draws, self.reduced, self.prefix_features)
         if not trees:
             return [Draft(ids, torch.stack(qs) if qs else None, st)
                     for (ids, qs), st in zip(out, states)]
@@ -320,7 +324,7 @@ class EagleProposer:
         if r.max_nodes is not None and k + (b - 1) * d > r.max_nodes:
             b = 1
         nodes, parents = draft_tree(self.drafter, self.model, state, list(r.token_ids),
-                                    r.features, k, b, self.reduced, d)
+                                    r.features, k, b, self.reduced, d, self.prefix_features)
         return Draft(nodes[1:], None, state, parents)
 
     def _side_depth(self, r: DraftRequest) -> int:
