@@ -178,10 +178,14 @@ def test_batched_prefill_matches_the_reference(block_size, group):
 
 @pytest.mark.parametrize("seq_lens,tree", [([7], False), ([5, 17, 9], False), ([12, 6], True)],
                          ids=["one-sequence", "ragged", "tree"])
-def test_batched_equal_chunks_are_a_view_and_match_the_reference(seq_lens, tree):
+@pytest.mark.parametrize("view", [True, False], ids=["view", "switched-off"])
+def test_batched_equal_chunks_are_a_view_and_match_the_reference(seq_lens, tree, view,
+                                                                 monkeypatch):
     """Every sequence verifying the same number of drafts (3 queries each): the plan is one
     group over q's rows as they are (no index, no scatter back), and the output is the
-    reference's; with a tree mask on the first sequence too."""
+    reference's; with a tree mask on the first sequence too. VIEW_EQUAL_CHUNKS = False (for
+    measurements) takes the padded path, with the same output."""
+    monkeypatch.setattr(batched, "VIEW_EQUAL_CHUNKS", view)
     from minillm.spec.tree import tree_mask
     n, bs = 3, 4
     k_cache, v_cache, tables, lens, _, _ = paged_kv(seq_lens, bs)
@@ -189,8 +193,8 @@ def test_batched_equal_chunks_are_a_view_and_match_the_reference(seq_lens, tree)
     q = torch.randn(n * len(seq_lens), KV_HEADS * 3, HEAD_DIM, device=DEVICE)
     masks = (tree_mask([-1, 0, 0]),) + (None,) * (len(seq_lens) - 1) if tree else None
     plan = batched.plan_prefill(cu, lens, tables, bs, masks)
-    assert len(plan.groups) == 1 and plan.groups[0].q_index is None
-    assert plan.groups[0].q_len == n
+    assert len(plan.groups) == 1 and (plan.groups[0].q_index is None) == view
+    assert plan.groups[0].q_len == (n if view else 1)
     args = (q, k_cache, v_cache, cu, lens, tables, HEAD_DIM ** -0.5)
     assert_close(batched.paged_prefill_attention(*args, tree_masks=masks),
                  reference.paged_prefill_attention(*args, tree_masks=masks), torch.float32)

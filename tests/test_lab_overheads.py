@@ -4,7 +4,7 @@ import torch
 from minillm.configs import ModelConfig
 from minillm.lab import overlap
 from minillm.lab.profiling import (GEMM_OPS, decode_engine, op_table, profile_steps,
-                                   skeleton_config)
+                                   skeleton_config, step_parts)
 from minillm.loader import random_model
 
 CFG = ModelConfig(name="tiny", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -26,6 +26,23 @@ def test_profile_counts_four_products_per_layer_and_the_lm_head():
     assert sum(calls.get(op, 0) for op in GEMM_OPS) == 4 * CFG.num_layers + 1
     assert prof.ops_per_step > 4 * CFG.num_layers and prof.gemm_ms > 0
     assert "torch ops per step" in op_table(prof)
+
+
+def test_step_parts_counts_every_step_and_puts_the_methods_back():
+    engine = decode_engine(random_model(CFG, device="cpu"), batch=2, context=20,
+                           max_new_tokens=50)
+    runner = engine.runner
+    with step_parts(engine) as parts:
+        for _ in range(4):
+            engine.step()
+    ms = parts.ms_per_step()
+    assert parts.steps == 4 and parts.calls["forward"] == 4 and parts.calls["propose"] == 4
+    assert 0 < ms["forward"] < ms["step"] and ms["propose"] >= 0
+    assert abs(ms["step"] - ms["forward"] - ms["propose"] - ms["other"]) < 1e-9
+    assert "step_outputs" not in vars(engine) and "_propose" not in vars(engine)
+    assert "_forward" not in vars(runner)                        # the classes' methods again
+    engine.step()
+    assert parts.steps == 4                                      # no longer counting
 
 
 def test_the_skeleton_runs_the_same_ops_with_next_to_no_arithmetic():

@@ -96,6 +96,10 @@ def plan_decode(block_tables, seq_lens, block_size: int) -> Plan:
                 if B else [])
 
 
+VIEW_EQUAL_CHUNKS = True    # equal chunks as a view of q (False: padded and scattered like
+                            # unequal ones; for measurements, bench_spec_step.py --before)
+
+
 def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int,
                  tree_masks=None) -> Plan:
     """Sequence b owns q rows cu[b]:cu[b + 1], its last q_len tokens. tree_masks[b] (an [n, n]
@@ -113,8 +117,8 @@ def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int,
         groups.append(_make_group(block_tables[idx], seq_lens[idx], q_index, positions, None,
                                   block_size))
     many = [b for b, n in enumerate(q_lens) if n > 1]
-    if many and not one and len(set(q_lens)) == 1:                   # equal chunks (verifying
-        n = q_lens[0]                                                # k drafts each): q as is
+    if many and not one and len(set(q_lens)) == 1 and VIEW_EQUAL_CHUNKS:   # equal chunks (
+        n = q_lens[0]                                            # k drafts each): q as is
         positions = seq_lens.long()[:, None] - n + torch.arange(n, device=dev)[None, :]
         group = _make_group(block_tables, seq_lens, None, positions, None, block_size)
         group.q_len = n

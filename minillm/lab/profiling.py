@@ -6,6 +6,7 @@ and everything else.
     prof.step_ms, prof.gemm_ms, prof.other_ms, prof.ops_per_step
     op_table(prof)                                        # the heaviest ops, per step
     skeleton_config(model.config)                         # the same step, arithmetic taken away
+    with step_parts(engine) as parts: ...                 # forward / drafting / the rest, per step
 
 `step_ms` is the wall time of a step measured WITHOUT the profiler (it adds a few microseconds
 to every op); `gemm_ms` is the profiler's self time of the matrix products (`GEMM_OPS`), and
@@ -85,6 +86,56 @@ def time_steps(engine: LLMEngine, steps: int) -> float:
         engine.step()
         times.append(time.perf_counter() - t0)
     return 1e3 * sorted(times)[len(times) // 2]
+
+
+class step_parts:
+    """Context manager: wall time of an engine's steps split into the model runner's forward,
+    the proposer's drafting (chapter 07) and the rest (scheduling, sampling, bookkeeping),
+    summed over every step taken inside. Wraps the three methods on this engine only (no
+    class is touched) and restores them on exit.
+
+        with step_parts(llm.engine) as parts:
+            llm.generate(...)
+        parts.ms_per_step()     # {"step": ..., "forward": ..., "propose": ..., "other": ...}
+    """
+
+    PARTS = {"step": (None, "step_outputs"), "forward": ("runner", "_forward"),
+             "propose": (None, "_propose")}
+
+    def __init__(self, engine: LLMEngine):
+        self.engine, self.seconds, self.calls = engine, dict.fromkeys(self.PARTS, 0.0), {}
+
+    def __enter__(self):
+        for part, (attr, name) in self.PARTS.items():
+            owner = self.engine if attr is None else getattr(self.engine, attr)
+            setattr(owner, name, self._timed(part, getattr(owner, name)))
+        return self
+
+    def _timed(self, part: str, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - t0
+                self.calls[part] = self.calls.get(part, 0) + 1
+        return timed
+
+    def __exit__(self, *exc):
+        for attr, name in self.PARTS.values():
+            owner = self.engine if attr is None else getattr(self.engine, attr)
+            owner.__dict__.pop(name, None)               # the class's method again
+        return False
+
+    @property
+    def steps(self) -> int:
+        return self.calls.get("step", 0)
+
+    def ms_per_step(self) -> dict:
+        n = max(1, self.steps)
+        out = {part: 1e3 * s / n for part, s in self.seconds.items()}
+        out["other"] = out["step"] - out["forward"] - out["propose"]
+        return out
 
 
 def profile_steps(engine: LLMEngine, steps: int = 10, warmup: int = 3) -> StepProfile:
