@@ -83,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-skip", default="4,8,12,16,20,24",
                    help="layers the draft_model variant skips")
     p.add_argument("--sets", default="grounded,open", help="prompt sets of the batch-1 part")
-    p.add_argument("--sweep-methods", default="ngram", help="methods of the batch-size sweep")
+    p.add_argument("--sweep-methods", default="ngram",
+                   help="methods of the batch-size sweep ('eagle+off': with disable_by_batch_size)")
     p.add_argument("--sweep-set", default="grounded", help="the sweep's replicated prompt")
     p.add_argument("--head-cost", action="store_true", help="time EAGLE's two heads")
     p.add_argument("--tree-branches", type=int, default=2)
@@ -94,6 +95,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="EAGLE's drafter alone in this dtype (default: the model's)")
     p.add_argument("--batch-sizes", default="1,4,16")
+    p.add_argument("--disable-by-batch-size", type=int, default=1,
+                   help="the threshold of the sweep's '<method>+off' methods")
     p.add_argument("--sweep-max-tokens", type=int, default=32)
     p.add_argument("--out", default=None)
     p.add_argument("--append", action="store_true",
@@ -115,6 +118,11 @@ def eagle_config(args, head: str) -> dict:
 
 
 def sweep_config(args, method: str) -> dict:
+    """A sweep method's speculative_config; "<method>+off" is <method> with
+    disable_by_batch_size = --disable-by-batch-size (no drafts above that many requests)."""
+    if method.endswith("+off"):
+        return dict(sweep_config(args, method[:-len("+off")]),
+                    disable_by_batch_size=args.disable_by_batch_size)
     return {"ngram": ngram_config, "eagle": lambda a: eagle_config(a, "reduced"),
             "eagle_full": lambda a: eagle_config(a, "full"),
             "eagle_tree": lambda a: tree_config(a, "eagle_tree"),
@@ -319,12 +327,14 @@ def engine_sweep(model, tok, args) -> list:
                 r["times"].append(dt)
                 st = llm.engine.spec_decode_stats
                 r["acceptance_rate"] = st.acceptance_rate if st else None
+                r["num_steps_off"] = st.num_steps_off if st else None     # +off methods
         for name, r in res.items():
             t = statistics.median(r["times"])
             rows.append(dict(batch_size=bs, method=name, prompt_set=args.sweep_set,
                              output_tokens=r["tokens"],
                              seconds=round(t, 3), tokens_per_s=round(r["tokens"] / t, 3),
                              acceptance_rate=r["acceptance_rate"],
+                             num_steps_off=r["num_steps_off"],
                              identical_to_plain_greedy=r["outs"] == res["none"]["outs"]))
         n = 1 + len(methods)
         base = rows[-n]["tokens_per_s"]

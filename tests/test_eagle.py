@@ -194,6 +194,29 @@ def test_a_shared_template_is_recomputed_once(model, drafter):
     check_invariants(engine)
 
 
+def test_drafting_off_above_a_batch_size_keeps_the_drafter_current(model, drafter,
+                                                                    monkeypatch):
+    """disable_by_batch_size = 1: while two requests run there are no drafts, but the drafter
+    is fed every step's features (observe); once one finishes, the other drafts again without
+    the proposer recomputing a single feature, and both outputs are sequential greedy's."""
+    rng = random.Random(13)
+    ps = [[rng.randrange(VOCAB) for _ in range(n)] for n in (6, 7)]
+    ref = sequential(model, ps, [6, 24])
+    calls = []
+    real = eagle_mod.hidden_states
+    monkeypatch.setattr(eagle_mod, "hidden_states",
+                        lambda *a: (calls.append(a[1].shape), real(*a))[1])
+    engine = LLMEngine(model, None, num_kv_blocks=200, block_size=4, enable_prefix_caching=False,
+                       speculative_config=dict(method="eagle", num_speculative_tokens=2,
+                                               eagle_weights=drafter, disable_by_batch_size=1))
+    outs, _ = run_engine(engine, ps, [6, 24])
+    assert [outs[str(i)].token_ids for i in range(2)] == ref
+    st = engine.spec_decode_stats
+    assert st.num_steps_off >= 4 and st.num_drafts >= 3
+    assert calls == []                                  # nothing recomputed on resuming
+    check_invariants(engine)
+
+
 def test_the_drafter_takes_the_targets_few_row_products(model, monkeypatch):
     """On a CPU the proposer gives the drafter's layer the 1-3 row products chosen for the
     target's weights of the same shapes (tune_skinny's per-shape choices), not the untuned

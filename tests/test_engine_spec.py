@@ -103,6 +103,32 @@ def test_a_perfect_draft_saves_steps(model, workload):
     check_invariants(engine)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_no_drafts_while_the_batch_is_above_disable_by_batch_size(model, heads, workload,
+                                                                   method):
+    """disable_by_batch_size = 3: steps that end with more than 3 requests running carry no
+    drafts (counted), the rest speculate as usual; outputs are sequential greedy's. With the
+    threshold at the batch's size speculation is never turned off."""
+    prompts, max_tokens, expected = workload
+    kw = dict(num_kv_blocks=400, block_size=4, max_num_seqs=16, max_num_batched_tokens=64)
+    engine = LLMEngine(model, None, speculative_config=dict(config(method, heads),
+                                                            disable_by_batch_size=3), **kw)
+    seen = []                                # (running requests, drafts asked) per proposal
+    real = engine.proposer.propose
+    engine.proposer.propose = lambda asks: (seen.append((len(engine.scheduler.running),
+                                                          len(asks))), real(asks))[1]
+    outs, steps = run_engine(engine, prompts, max_tokens)
+    assert [outs[str(i)].token_ids for i in range(len(prompts))] == expected
+    st = engine.spec_decode_stats
+    assert st.num_steps_off > 0 and st.num_draft_tokens > 0 and st.num_steps_off < steps
+    assert seen and all(running <= 3 for running, _ in seen)       # drafts only at <= 3
+    check_invariants(engine)
+    always = LLMEngine(model, None, speculative_config=dict(
+        config(method, heads), disable_by_batch_size=len(prompts)), **kw)
+    run_engine(always, prompts, max_tokens)
+    assert always.spec_decode_stats.num_steps_off == 0
+
+
 def test_rollback_returns_blocks_during_the_run(model):
     """Mid-run, every running request's block table holds exactly its computed tokens."""
     engine = LLMEngine(model, None, num_kv_blocks=100, block_size=2, max_num_seqs=4,
@@ -198,6 +224,11 @@ def test_engine_and_batch1_loop_propose_the_same_drafts(model, heads, method, te
     (dict(method="draft_model", num_speculative_tokens=2, draft_num_layers=0), "draft_num_layers"),
     (dict(method="ngram", num_speculative_tokens=2, lookahead=3), "unknown speculative_config"),
     ("ngram", "must be a dict"),
+    (dict(method="ngram", num_speculative_tokens=2, disable_by_batch_size=0), "positive integer"),
+    (dict(method="ngram", num_speculative_tokens=2, disable_by_batch_size=True),
+     "disable_by_batch_size"),
+    (dict(method="ngram", num_speculative_tokens=2, disable_by_batch_size="4"),
+     "disable_by_batch_size"),
 ])
 def test_bad_speculative_config(cfg, match):
     with pytest.raises(ValueError, match=match):

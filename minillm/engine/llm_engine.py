@@ -94,8 +94,11 @@ class LLMEngine:
                  enforce_eager: bool = True, scheduling_policy: str = "fcfs",
                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1):
         check_enforce_eager(enforce_eager)       # chapter 12: CUDA graphs for decode steps
-        if speculative_config is not None:       # chapter 07; validated before anything else
-            parse_speculative_config(speculative_config)
+        # chapter 07; validated before anything else. No drafts in a step while more than
+        # disable_by_batch_size requests are running (None: speculate at every batch size)
+        self.disable_by_batch_size = (None if speculative_config is None else
+                                      parse_speculative_config(speculative_config)
+                                      ["disable_by_batch_size"])
         resolve_kv_cache_dtype(kv_cache_dtype, model.dtype, model.device)   # ch. 09: "fp8"
         if int(block_size) != block_size or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size}")
@@ -356,11 +359,16 @@ class LLMEngine:
         k_max, ctx = self.proposer.num_speculative_tokens, self.config.max_position_embeddings
         todo = [(req, room(req, k_max, ctx)) for req in live]
         todo = [(req, k) for req, k in todo if k > 0]
-        asks = [DraftRequest(req.prompt_token_ids + req.output_token_ids, k, req.params,
-                             req.generator, hidden.get(req.seq_id), req.draft_state,
+        off = (self.disable_by_batch_size is not None
+               and len(self.scheduler.running) > self.disable_by_batch_size)
+        asks = [DraftRequest(req.prompt_token_ids + req.output_token_ids, 0 if off else k,
+                             req.params, req.generator, hidden.get(req.seq_id), req.draft_state,
                              (features or {}).get(req.seq_id),
                              max_nodes=ctx - req.num_tokens)      # a tree's slots: the context
                 for req, k in todo]
+        if off:                                 # the batch is too big to verify drafts: none
+            self._observe(todo, asks)           # this step (a proposer that keeps state sees
+            return                              # the new tokens all the same)
         try:
             drafts = check_drafts(asks, self.proposer.propose(asks), self.proposer)
         except Exception:                       # noqa: BLE001 - decode without drafts
@@ -370,6 +378,20 @@ class LLMEngine:
             req.spec_draft_probs = d.probs if d is not None else None
             req.draft_state = d.state if d is not None else None
             req.spec_tree_parents = d.parents if d is not None else None
+
+    def _observe(self, todo: list, asks: list) -> None:
+        """A step without drafts (disable_by_batch_size): a proposer with `observe` (EAGLE's,
+        whose drafter must see the target's features of every position, and would otherwise
+        recompute them all when drafting resumes) takes this step's tokens and features."""
+        self.spec_stats.num_steps_off += 1
+        if not asks or not hasattr(self.proposer, "observe"):
+            return
+        try:
+            states = self.proposer.observe(asks)
+        except Exception:                       # noqa: BLE001 - drafts only: forget the state
+            states = [None] * len(todo)
+        for (req, _), state in zip(todo, states):
+            req.draft_state = state
 
     def _finished_ids(self, reqs: list, already: list) -> list:
         """Request ids whose every sample has now finished (each once)."""

@@ -36,6 +36,12 @@ How a step changes (the rest of the engine is chapter 04's):
   4. The scheduler's update rolls back: num_computed_tokens forgets the rejected positions and
      blocks that hold only rejected positions go back to the pool.
 
+When the batch leaves no spare compute (section 7 of the chapter: verified positions cost real
+work once a step is compute-bound), `disable_by_batch_size` = N turns drafting off in every step
+that ends with more than N requests running (vLLM's option of the same name): the engine asks for
+no drafts, and a proposer that keeps state (`observe`: EAGLE's drafter cache) is handed the
+step's tokens and features anyway, so drafting resumes where it left off when the batch shrinks.
+
 A TREE of drafts (EAGLE with tree_branches > 1; spec/tree.py) travels the same road: the
 proposer's Draft carries `parents` (node 0 = the last token), the scheduler gives the request
 1 + its nodes like a chain (a budget cut keeps a prefix of the nodes: still a tree), the runner
@@ -59,6 +65,9 @@ import torch
 from ..sampling import SamplingParams
 
 MAX_SPECULATIVE_TOKENS = 16
+# keys of every method: disable_by_batch_size (vLLM's name) = no drafts in a step while more
+# requests than that are running (the batch leaves no spare compute for verification: ch. 07)
+SHARED_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
 
 
 @dataclass
@@ -107,10 +116,10 @@ def parse_speculative_config(config) -> dict:
                          f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
     from ..spec.proposers import PROPOSERS       # chapter 07: only with a real config
     owners = {key: m for m, cls in PROPOSERS.items() for key in cls.config_keys}
-    unknown = set(config) - {"method", "num_speculative_tokens"} - set(owners)
+    unknown = set(config) - set(SHARED_KEYS) - set(owners)
     if unknown:
         raise ValueError(f"unknown speculative_config keys {sorted(unknown)}; known: "
-                         f"{sorted({'method', 'num_speculative_tokens'} | set(owners))}")
+                         f"{sorted(set(SHARED_KEYS) | set(owners))}")
     method = config.get("method")
     if method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {method!r}; use one of {tuple(PROPOSERS)}")
@@ -122,10 +131,17 @@ def parse_speculative_config(config) -> dict:
                          f"{MAX_SPECULATIVE_TOKENS} (acceptance falls geometrically with the "
                          "draft position, so long drafts only waste verification work; "
                          "2-8 is usual)")
+    off = config.get("disable_by_batch_size")
+    if off is not None and (isinstance(off, bool) or not isinstance(off, int) or off < 1):
+        raise ValueError(f"disable_by_batch_size must be None (speculate at every batch size) "
+                         f"or a positive integer (no drafts while more requests than that are "
+                         f"running), got {off!r}")
     for key in sorted(set(config) & set(owners)):
         if owners[key] != method:
             raise ValueError(f"{key} is for method {owners[key]!r}, not {method!r}; remove it")
-    return PROPOSERS[method].check_config(dict(config))
+    cfg = PROPOSERS[method].check_config(dict(config))
+    cfg.setdefault("disable_by_batch_size", None)
+    return cfg
 
 
 def build_proposer(speculative_config: Optional[dict], model):

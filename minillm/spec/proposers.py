@@ -292,9 +292,7 @@ class EagleProposer:
         pass's next-ranked tokens); deeper trees one request at a time (draft_tree)."""
         if not requests:
             return []
-        states = [r.state if isinstance(r.state, EagleState) else
-                  new_state(self.drafter, len(r.token_ids) + r.params.max_tokens + r.num_drafts)
-                  for r in requests]
+        states = self._states(requests)
         trees = self.tree_branches > 1
         if trees and any(self._side_depth(r) > 1 for r in requests):     # deep side branches:
             return [self._tree(r, st) for r, st in zip(requests, states)]  # one by one
@@ -315,6 +313,29 @@ class EagleProposer:
                 sd = []                                      # near the context's end: the chain
             drafts.append(Draft(ids + sd, None, st, [-1] + list(range(len(ids))) + [0] * len(sd)))
         return drafts
+
+    @torch.inference_mode()
+    def observe(self, requests: list) -> list:
+        """A step the engine takes without drafts (its batch is above disable_by_batch_size):
+        feed every request's new true features to its drafter cache, as drafting would, and
+        draft nothing, so that drafting can resume later without recomputing the target's
+        features of the positions in between. One shared drafter pass, no head. Returns each
+        request's state."""
+        if not requests:
+            return []
+        states = self._states(requests)
+        draft_batch(self.drafter, self.model, states, [list(r.token_ids) for r in requests],
+                    [r.features for r in requests], [0] * len(requests),
+                    [None] * len(requests), self.reduced, self.prefix_features)
+        return states
+
+    def _states(self, requests: list) -> list:
+        """Each request's drafter state: the one it carries, or a new one sized for the whole
+        request."""
+        return [r.state if isinstance(r.state, EagleState) else
+                new_state(self.drafter, len(r.token_ids) + r.params.max_tokens
+                          + max(r.num_drafts, 1))
+                for r in requests]
 
     def _tree(self, r: DraftRequest, state: EagleState) -> Draft:
         """One request's static tree (draft_tree, this sequence alone): one-hot ranked drafts,

@@ -25,6 +25,8 @@ class SpecStats:
     num_target_forwards: int = 0              # prefill + plain decodes + verifications
     num_emitted_tokens: int = 0
     num_side_branch_kept: int = 0             # tree verifications that kept another branch
+    num_steps_off: int = 0                    # engine steps without drafts because the batch
+                                              # was above disable_by_batch_size
     accepted_per_position: list = field(default_factory=list)   # position i: accepted drafts
     drafted_per_position: list = field(default_factory=list)    # position i: proposed drafts
     draft_time: float = 0.0
@@ -51,7 +53,8 @@ class SpecStats:
     def merge(self, other: "SpecStats") -> None:
         """Add another run's counts and times to these (one SpecStats per prompt -> a total)."""
         for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_target_forwards",
-                  "num_emitted_tokens", "num_side_branch_kept", "draft_time", "total_time"):
+                  "num_emitted_tokens", "num_side_branch_kept", "num_steps_off", "draft_time",
+                  "total_time"):
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
                              (self.drafted_per_position, other.drafted_per_position)):
@@ -83,4 +86,5 @@ class SpecStats:
                 "acceptance_by_position": self.acceptance_by_position,
                 "num_target_forwards": self.num_target_forwards,
                 "num_emitted_tokens": self.num_emitted_tokens,
-                "num_side_branch_kept": self.num_side_branch_kept}
+                "num_side_branch_kept": self.num_side_branch_kept,
+                "num_steps_off": self.num_steps_off}
