@@ -12,7 +12,7 @@ from minillm import SamplingParams
 from minillm.engine import LLMEngine
 from minillm.spec import eagle as eagle_mod
 from minillm.spec.eagle import (EagleDrafter, PrefixFeatures, draft_batch, draft_chain,
-                                new_state, reserve, true_features)
+                                new_state, observe, reserve, true_features)
 from minillm.spec.medusa import hidden_states
 from minillm.spec.proposers import PROPOSERS, EagleProposer
 
@@ -215,6 +215,33 @@ def test_drafting_off_above_a_batch_size_keeps_the_drafter_current(model, drafte
     assert st.num_steps_off >= 4 and st.num_drafts >= 3
     assert calls == []                                  # nothing recomputed on resuming
     check_invariants(engine)
+
+
+def test_observed_features_wait_for_the_next_draft(model, drafter, monkeypatch):
+    """Steps without drafts keep their features in the state (eagle.observe); the next drafting
+    call gets them with its own and recomputes nothing. A gap between observed steps drops
+    what was kept: that call recomputes the positions it lacks, and the rows are still the
+    target's."""
+    rng = random.Random(14)
+    ids = [rng.randrange(VOCAB) for _ in range(12)]
+    want = hidden_states(model, torch.tensor([ids[:-1]]))[0]                 # [11, C]
+    calls = []
+    real = eagle_mod.hidden_states
+    monkeypatch.setattr(eagle_mod, "hidden_states",
+                        lambda *a: (calls.append(a[1].shape[1]), real(*a))[1])
+    st = new_state(drafter, 32)
+    observe(st, ids[:6], want[:5])                      # a prefill: positions 0 .. 4
+    observe(st, ids[:8], want[5:7])                     # two decoded tokens: 5 .. 6
+    start, got = true_features(model, st, ids[:9], want[7:8])
+    assert start == 0 and calls == [] and st.pending == []
+    torch.testing.assert_close(got, want[:8])
+    gap = new_state(drafter, 32)
+    observe(gap, ids[:6], want[:5])
+    observe(gap, ids[:9], want[7:8])                    # positions 5 .. 6 never observed
+    assert gap.pending_end == 8 and len(gap.pending) == 1
+    _, got = true_features(model, gap, ids[:10], want[8:9])
+    assert calls == [7]                                 # positions 0 .. 6 recomputed
+    torch.testing.assert_close(got, want[:9], rtol=1e-5, atol=1e-5)
 
 
 def test_the_drafter_takes_the_targets_few_row_products(model, monkeypatch):

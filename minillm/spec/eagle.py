@@ -186,9 +186,33 @@ class EagleDrafter(nn.Module):
 @dataclass
 class EagleState:
     """One sequence's drafter state: its KV cache (positions 0 .. len(token_ids) - 2 hold the
-    drafter's K/V computed from the target's TRUE features) and the tokens they were fed with."""
+    drafter's K/V computed from the target's TRUE features) and the tokens they were fed with;
+    `pending`: the target's features of the positions after those, kept by `observe` in steps
+    without drafts (positions pending_end - sum of rows .. pending_end - 1), fed at the next
+    drafting call."""
     cache: ContiguousKVCache
     token_ids: list
+    pending: list = dataclasses.field(default_factory=list)    # [[m, C], ...] in order
+    pending_end: int = 0
+
+
+MAX_PENDING = 4096      # positions of features an EagleState keeps between drafting calls; past
+                        # that they are dropped and the next call recomputes them (a target pass)
+
+
+def observe(state: EagleState, token_ids: list, features) -> None:
+    """A step without drafts (the engine's disable_by_batch_size): keep the target's features
+    of this step's positions (`features` [m, C], positions N - 1 - m .. N - 2) for the next
+    drafting call instead of running the drafter now. Features that do not follow the kept ones
+    (none given, a gap, too many) drop them all: the next call recomputes what it lacks."""
+    N, m = len(token_ids), 0 if features is None else features.shape[0]
+    kept = sum(f.shape[0] for f in state.pending)
+    if not m or (kept and state.pending_end != N - 1 - m) or kept + m > MAX_PENDING:
+        state.pending, state.pending_end = [], 0
+        if not m or m > MAX_PENDING:
+            return
+    state.pending.append(features)
+    state.pending_end = N - 1
 
 
 def new_state(drafter: EagleDrafter, size: int) -> EagleState:
@@ -253,6 +277,10 @@ def true_features(model, state: EagleState, token_ids: list, features,
     known = len(state.token_ids) - 1 if state.token_ids == token_ids[:len(state.token_ids)] else 0
     start = max(0, min(known, N - 2))                          # feed at least one position
     m = 0 if features is None else features.shape[0]
+    if state.pending and state.pending_end == N - 1 - m:       # kept by observe: they come
+        features = torch.cat(state.pending + ([features] if m else []))   # right before these
+        m = features.shape[0]
+    state.pending, state.pending_end = [], 0
     if m and N - 1 - m <= start:
         return start, features[start - (N - 1 - m):]
     missing = token_ids[:N - 1 - m]                            # positions 0 .. N - 2 - m
@@ -389,4 +417,4 @@ def draft_tree(drafter: EagleDrafter, model, state: EagleState, token_ids: list,
 
 
 __all__ = ["EagleDrafter", "EagleState", "DEFAULT_EAGLE_WEIGHTS", "draft_chain", "draft_batch",
-           "draft_tree", "new_state", "RaggedCaches", "PrefixFeatures"]
+           "draft_tree", "new_state", "observe", "RaggedCaches", "PrefixFeatures"]

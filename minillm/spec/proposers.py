@@ -41,6 +41,7 @@ from ..sampling import SamplingParams, draw_from, probs
 from ..model import tune_skinny
 from .eagle import (DEFAULT_EAGLE_WEIGHTS, EagleDrafter, EagleState, PrefixFeatures, draft_batch,
                     draft_tree, new_state)
+from .eagle import observe as observe_features
 from .medusa import DEFAULT_WEIGHTS, MedusaHeads
 from .ngram import check_lookup, ngram_propose
 
@@ -314,19 +315,15 @@ class EagleProposer:
             drafts.append(Draft(ids + sd, None, st, [-1] + list(range(len(ids))) + [0] * len(sd)))
         return drafts
 
-    @torch.inference_mode()
     def observe(self, requests: list) -> list:
         """A step the engine takes without drafts (its batch is above disable_by_batch_size):
-        feed every request's new true features to its drafter cache, as drafting would, and
-        draft nothing, so that drafting can resume later without recomputing the target's
-        features of the positions in between. One shared drafter pass, no head. Returns each
-        request's state."""
-        if not requests:
-            return []
+        keep every request's new true features in its state (eagle.observe) for the next
+        drafting call, which feeds them all in its one first drafter pass, so that drafting
+        resumes without recomputing the target's features of the positions in between; no
+        drafter pass now. Returns each request's state."""
         states = self._states(requests)
-        draft_batch(self.drafter, self.model, states, [list(r.token_ids) for r in requests],
-                    [r.features for r in requests], [0] * len(requests),
-                    [None] * len(requests), self.reduced, self.prefix_features)
+        for r, st in zip(requests, states):
+            observe_features(st, list(r.token_ids), r.features)
         return states
 
     def _states(self, requests: list) -> list:
