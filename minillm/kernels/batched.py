@@ -97,7 +97,7 @@ def plan_decode(block_tables, seq_lens, block_size: int) -> Plan:
 
 
 VIEW_EQUAL_CHUNKS = True    # equal chunks as a view of q (False: padded and scattered like
-                            # unequal ones; for measurements, bench_spec_step.py --before)
+                            # unequal ones; for measurements: bench_spec_step.py's "before")
 
 
 def plan_prefill(cu_seqlens_q, seq_lens, block_tables, block_size: int,
