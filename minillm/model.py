@@ -163,11 +163,17 @@ class Linear(nn.Linear):
     verifies k guesses) by every weight, and PyTorch's default CPU product (F.linear) runs far
     below the machine's limits at those shapes. On a CPU, with no gradient wanted, Linear:
 
-    - multiplies through oneDNN with its weight **prepacked** once into the blocked layout the
-      kernels read (`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per
-      call; what torch.compile's CPU backend does for frozen weights): on the course's 2-core
-      CPU faster than F.linear on almost every weight shape from 3 fp32 rows up (up to 7.6x)
-      and on every bf16 shape up to 32 rows (up to 2.7x);
+    - multiplies on its weight **prepacked** once into the layout the library's kernels read,
+      instead of letting the library repack it on every call: a bf16 weight for oneDNN
+      (`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call; what
+      torch.compile's CPU backend does for frozen weights), on the course's 2-core AMD CPU
+      faster than F.linear on every bf16 shape up to 32 rows (up to 2.7x); an fp32 weight for
+      MKL's packed sgemm where torch has it (`torch.ops.mkl._mkl_reorder_linear_weight` once,
+      `_mkl_linear` per call; the library behind F.linear, with the packing done once), else
+      for oneDNN. On the course's Xeon a step's fp32 products on the MKL copy took 0.85-0.91x
+      the oneDNN copy's time from 4 rows to 64 and 1.05x at 256 (`bench_skinny_gemm.py`;
+      `MKL = False` goes back to oneDNN, for measurements); on its AMD CPU the oneDNN copy had
+      beaten F.linear on almost every fp32 shape from 3 rows up (up to 7.6x);
     - for 1-2 fp32 rows takes whichever of three products `tune_skinny` measured fastest for
       the weight's shape on this machine: F.linear, the packed product, or (W @ x^T)^T with a
       single row sent in as two. The machines disagree: on the course's AMD CPU a one-row
@@ -193,6 +199,8 @@ class Linear(nn.Linear):
     SKINNY_ROWS = range(1, 3)                                # fp32 rows tune_skinny decides
     FEW_ROWS = range(3, 4)                                   # ... with F.linear or packed
     PREPACK = True                                           # CPU products on packed weights
+    MKL = True                                               # fp32 packed for MKL's sgemm
+                                                             # (False: for oneDNN's)
     skinny = "swap"                                          # this layer's 1-2 row product:
                                                              # "swap" | "linear" | "packed"
     few = "packed"                                           # its 3-row product: "linear" |
@@ -220,9 +228,12 @@ class Linear(nn.Linear):
         packed = self.prepacked() if self.PREPACK else None
         if packed is None:
             return F.linear(x, w, self.bias)
+        if self.__dict__["_packed_for"] == "mkl":          # M = rows: computed on the copy
+            return torch.ops.mkl._mkl_linear(x, packed, w, self.bias, rows)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
-    _PACKED_STATE = ("_packed", "_packed_key")     # the packed copy and the weight it came from
+    # the packed copy, the weight (and library choice) it came from, the library that reads it
+    _PACKED_STATE = ("_packed", "_packed_key", "_packed_for")
 
     def __getstate__(self):
         """Copies and pickles leave the packed weight behind (it is remade on first use)."""
@@ -240,17 +251,19 @@ class Linear(nn.Linear):
             self.__dict__.pop(k, None)
 
     def prepacked(self):
-        """The weight in oneDNN's blocked layout (made once per weight version), or None where
-        this torch cannot pack it."""
+        """The weight in the layout its product reads (made once per weight version): MKL's
+        packed sgemm layout for fp32 where torch has it and `MKL` is on, else oneDNN's blocked
+        layout; None where this torch cannot pack it."""
         w = self.weight
         try:
             version = w._version
         except RuntimeError:                                 # an inference tensor: no counter
             version = None
-        key = (w.data_ptr(), version, w.dtype, tuple(w.shape))
+        key = (w.data_ptr(), version, w.dtype, tuple(w.shape), self.MKL)
         if self.__dict__.get("_packed_key") != key:
             self.__dict__["_packed_key"] = key
-            self.__dict__["_packed"] = _prepack(w.detach())
+            self.__dict__["_packed_for"], self.__dict__["_packed"] = _prepack(w.detach(),
+                                                                              self.MKL)
         return self.__dict__["_packed"]
 
 
@@ -335,14 +348,34 @@ def _time_products(layers, rows: int, attr: str, paths: list, repeats: int) -> t
     return min(ms, key=ms.get), ms
 
 
-def _prepack(w):
-    """oneDNN's packed copy of a 2-D CPU weight, or None (no oneDNN, or no bf16 support)."""
+# The row count MKL is told to expect when it packs an fp32 weight. The copy serves any number of
+# rows (the rows are the unpacked operand; tests/test_model.py checks 1 to 100 rows against
+# F.linear), but MKL picks its blocking from this hint. On the course's Xeon (scratch
+# microbenchmarks, not recorded) packs made for 16 rows ran 10-12% slower than oneDNN at 32
+# rows, packs made for 1 or 4 rows slower than oneDNN at 16, and packs made for 48 were within
+# 2% of the best of 16, 32 and 48 at every size from 4 rows to 128.
+MKL_PACK_ROWS = 48
+
+
+def mkl_packs_here() -> bool:
+    """Whether this torch has MKL's packed fp32 GEMM (x86 builds do; ARM builds do not)."""
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl,
+                                                         "_mkl_reorder_linear_weight")
+
+
+def _prepack(w, mkl: bool = True):
+    """(library, packed copy) of a 2-D CPU weight: ("mkl", ...) for fp32 when `mkl` and MKL's
+    packed GEMM is here, else ("onednn", ...); (None, None) where neither can pack it (no
+    oneDNN, no bf16 support, another dtype)."""
+    if w.dtype == torch.float32 and mkl and mkl_packs_here():
+        with torch.no_grad():
+            return "mkl", torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), MKL_PACK_ROWS)
     if not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):
-        return None
+        return None, None
     if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None
+        return None, None
     with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+        return "onednn", torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
 class MergedColumnParallelLinear(Linear):

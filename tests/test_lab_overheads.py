@@ -1,4 +1,5 @@
 """lab/profiling.py and lab/overlap.py (chapter 12): structure only, no timing asserted."""
+import pytest
 import torch
 
 from minillm.configs import ModelConfig
@@ -18,8 +19,9 @@ def test_decode_engine_leaves_every_request_decoding():
     assert len(reqs) == 3 and all(r.num_computed_tokens >= r.num_prompt_tokens for r in reqs)
 
 
-def test_profile_counts_four_products_per_layer_and_the_lm_head():
-    engine = decode_engine(random_model(CFG, device="cpu"), batch=2, context=20,
+@pytest.mark.parametrize("batch", [2, 5])      # 2 rows: a tuned skinny product; 5: the packed
+def test_profile_counts_four_products_per_layer_and_the_lm_head(batch):
+    engine = decode_engine(random_model(CFG, device="cpu"), batch=batch, context=20,
                            max_new_tokens=50)
     prof = profile_steps(engine, steps=3, warmup=1)
     calls = {name: c for name, c, _ in prof.rows}

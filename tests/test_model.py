@@ -155,16 +155,21 @@ def test_linear_picks_its_cpu_product_by_rows_dtype_and_grad(monkeypatch):
     monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(("mm", b.shape[1])) or real_mm(a, b))
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: calls.append(("packed", x.shape[0])) or real_packed(x, *a))
+    fp32 = "packed"                                          # fp32's packed product: oneDNN,
+    if minillm.model.mkl_packs_here():                       # or MKL's where torch has it
+        fp32, real_mkl = "mkl", torch.ops.mkl._mkl_linear
+        monkeypatch.setattr(torch.ops.mkl, "_mkl_linear",
+                            lambda x, *a: calls.append(("mkl", x.shape[0])) or real_mkl(x, *a))
     layer = minillm.model.Linear(8, 16, bias=False)
     with torch.no_grad():
         for rows in (1, 2, 3, 64):
             layer(torch.randn(rows, 8))
-    assert calls == [("mm", 2), ("mm", 2), ("packed", 3), ("packed", 64)]   # one row as two
+    assert calls == [("mm", 2), ("mm", 2), (fp32, 3), (fp32, 64)]   # one row as two
     layer.few = "linear"                                     # tuned: F.linear at 3 rows
     with torch.no_grad():
         layer(torch.randn(3, 8))
         layer(torch.randn(4, 8))
-    assert calls[4:] == [("packed", 4)]                      # 3 rows took F.linear
+    assert calls[4:] == [(fp32, 4)]                          # 3 rows took F.linear
     del calls[4:]
     layer(torch.randn(4, 8))                                 # autograd records it: F.linear
     layer.weight.requires_grad_(False)
@@ -178,6 +183,31 @@ def test_linear_picks_its_cpu_product_by_rows_dtype_and_grad(monkeypatch):
         monkeypatch.setattr(minillm.model.Linear, "PREPACK", False)
         layer.float()(torch.randn(1, 8))
     assert len(calls) == 5                                   # both off: F.linear
+
+
+@pytest.mark.skipif(not minillm.model.mkl_packs_here(), reason="this torch has no MKL")
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_mkl_pack_serves_any_number_of_rows(monkeypatch, bias):
+    """MKL packs an fp32 weight once, told to expect MKL_PACK_ROWS rows; the copy must give
+    F.linear's numbers at every row count, below, at and above the hint, and for a weight too
+    small to fill one of MKL's blocks."""
+    torch.manual_seed(0)
+    for n, k in ((16, 8), (37, 19), (960, 576)):
+        layer = minillm.model.Linear(k, n, bias=bias)
+        layer.skinny = layer.few = "packed"                  # the packed product at 1-3 rows too
+        hint = minillm.model.MKL_PACK_ROWS
+        with torch.no_grad():
+            assert layer.prepacked() is not None and layer._packed_for == "mkl"
+            for rows in (1, 2, 3, 4, 5, 16, hint - 1, hint, hint + 1, 100):
+                x = torch.randn(rows, k)
+                torch.testing.assert_close(layer(x), torch.nn.functional.linear(
+                    x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+            y = layer(torch.randn(2, 3, k))                  # [..., K] batches flatten to rows
+            assert y.shape == (2, 3, n)
+            monkeypatch.setattr(minillm.model.Linear, "MKL", False)   # switched off: packed
+            layer(torch.randn(4, k))                                 # again, for oneDNN
+            assert layer._packed_for == "onednn"
+            monkeypatch.undo()
 
 
 def test_linear_packs_again_when_its_weight_changes():

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field, replace
 from ..engine.llm_engine import LLMEngine
 from ..sampling import SamplingParams
 
-# matrix products as the CPU profiler names them (fp32/bf16 GEMMs and the int4 kernel)
+# matrix products as the CPU profiler names them (fp32/bf16 GEMMs, the packed ones of
+# minillm.model.Linear, and the int8 / int4 kernels)
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
-            "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise")
+            "aten::_weight_int8pack_mm", "mkldnn::_linear_pointwise", "mkl::_mkl_linear")
 
 
 @dataclass
@@ -149,7 +150,7 @@ def profile_steps(engine: LLMEngine, steps: int = 10, warmup: int = 3) -> StepPr
             engine.step()
     rows, gemm_us, calls = [], 0.0, 0
     for e in prof.key_averages():
-        if not e.key.startswith(("aten::", "mkldnn::")):      # torch's ops, not Python ranges
+        if not e.key.startswith(("aten::", "mkldnn::", "mkl::")):   # torch's ops, not ranges
             continue
         calls += e.count
         rows.append((e.key, e.count / steps, e.self_cpu_time_total / 1e3 / steps))
