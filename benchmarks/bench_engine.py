@@ -15,6 +15,9 @@ its output length. The same requests, the same weights, greedy decoding, through
     minillm_nn_linear  minillm continuous with every product through nn.Linear's own GEMM
                    (`minillm.model.Linear.SKINNY_ROWS` and `PREPACK` off): how much of
                    minillm's lead is the scheduler and how much its CPU products
+    minillm_onednn minillm continuous on a copy of the model whose fp32 products run on
+                   oneDNN's prepacked weights (`Linear.MKL` off: the path before MKL's packed
+                   sgemm), next to minillm in the same run
 
 Output tokens/s = requested output tokens / wall time of the whole run (after one warm-up).
 
@@ -50,7 +53,7 @@ from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: 
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear",
-           "minillm_bf16", "minillm_int4", "llama_cpp", "minillm_graphs")
+           "minillm_bf16", "minillm_int4", "llama_cpp", "minillm_graphs", "minillm_onednn")
 DEFAULT_SYSTEMS = SYSTEMS[:5]   # on a CPU; the others are asked for by name (bf16 CPU, llama.cpp
                                 # built); on CUDA the defaults swap minillm_static and
                                 # minillm_nn_linear (a CPU GEMM choice) for minillm_graphs
@@ -206,6 +209,25 @@ def run_minillm_nn_linear(mini, prompts, outputs, args):
         Linear.SKINNY_ROWS, Linear.PREPACK = saved
 
 
+_ONEDNN = {}                     # id(fp32 model) -> its copy for oneDNN's packed products
+
+
+def run_minillm_onednn(mini, prompts, outputs, args):
+    """minillm continuous with its fp32 products on oneDNN's prepacked weights instead of MKL's
+    (`Linear.MKL` off while it runs). A copy of the model keeps its own packed weights, so the
+    systems of one run do not repack each other's."""
+    import copy
+
+    from minillm.model import Linear
+    if id(mini) not in _ONEDNN:
+        _ONEDNN[id(mini)] = copy.deepcopy(mini)
+    saved, Linear.MKL = Linear.MKL, False
+    try:
+        return run_minillm(_ONEDNN[id(mini)], prompts, outputs, args)
+    finally:
+        Linear.MKL = saved
+
+
 _BF16 = {}                       # id(fp32 model) -> its bf16 copy, made once per run
 
 
@@ -273,6 +295,7 @@ RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
            "minillm_static": lambda m, h, p, o, a: run_minillm(m, p, o, a, "static"),
            "minillm_graphs": lambda m, h, p, o, a: run_minillm(m, p, o, a, enforce_eager=False),
            "minillm_nn_linear": lambda m, h, p, o, a: run_minillm_nn_linear(m, p, o, a),
+           "minillm_onednn": lambda m, h, p, o, a: run_minillm_onednn(m, p, o, a),
            "minillm_bf16": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a),
            "minillm_int4": lambda m, h, p, o, a: run_minillm_int4(m, p, o, a),
            "llama_cpp": lambda m, h, p, o, a: run_llama_cpp(p, o, a)}

@@ -32,6 +32,25 @@ def test_nn_linear_system_turns_the_gemm_choice_off_and_back_on(monkeypatch):
     assert (Linear.SKINNY_ROWS, Linear.PREPACK) == before and before[0] != range(0) and before[1]
 
 
+def test_onednn_system_runs_a_copy_with_mkl_off_and_turns_it_back_on(monkeypatch):
+    import torch
+
+    bench = load("bench_engine")
+    seen = []
+
+    def fake(mini, prompts, outputs, args, scheduling="continuous"):
+        seen.append((mini, Linear.MKL))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(bench, "run_minillm", fake)
+    model = torch.nn.Sequential(Linear(4, 4))
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            bench.run_minillm_onednn(model, [], [], None)
+    assert [mkl for _, mkl in seen] == [False, False] and Linear.MKL
+    assert seen[0][0] is seen[1][0] and seen[0][0] is not model    # one copy, made once
+
+
 def test_plot_draws_the_spread_of_repeats(tmp_path):
     bench = load("bench_engine")
     record = {"device_name": "test", "dtype": "float32", "repeats": 3,
@@ -43,13 +62,24 @@ def test_plot_draws_the_spread_of_repeats(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 1000
 
 
-def test_skinny_gemm_benchmark_runs(capsys):
-    load("bench_skinny_gemm").main(["--rows", "1", "4", "--layers", "1", "--repeats", "1"])
+def test_skinny_gemm_benchmark_runs(capsys, tmp_path):
+    import json
+
+    from minillm.model import mkl_packs_here
+    out_file = tmp_path / "skinny.json"
+    load("bench_skinny_gemm").main(["--rows", "1", "4", "--layers", "1", "--repeats", "1",
+                                    "--out", str(out_file)])
     out = capsys.readouterr().out
+    paths = 3 if mkl_packs_here() else 2                       # MKL's packed fp32 where here
     for name in ("qkv_proj", "o_proj", "gate_up", "down", "lm_head"):
         lines = [line for line in out.splitlines() if line.strip().startswith(name)]
-        assert len(lines) == 2                                 # one per path
+        assert len(lines) == paths                             # one per path
         assert all(len([float(v) for v in line[28:].split()]) == 2 for line in lines)
+    record = json.loads(out_file.read_text())
+    assert record["rows"] == [1, 4] and len(record["step_ms"]) == paths + 1   # and F.linear
+    for label, ms in record["step_ms"].items():                # a step: the sum of the shapes
+        assert ms == pytest.approx([sum(record["ms"][s][label][i] for s in record["ms"])
+                                    for i in range(2)])
 
 
 def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
