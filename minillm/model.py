@@ -26,6 +26,7 @@ Without a cache, `model(input_ids)` runs plain causal attention over the tokens 
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -171,9 +172,11 @@ class Linear(nn.Linear):
       MKL's packed sgemm where torch has it (`torch.ops.mkl._mkl_reorder_linear_weight` once,
       `_mkl_linear` per call; the library behind F.linear, with the packing done once), else
       for oneDNN. On the course's Xeon a step's fp32 products on the MKL copy took 0.85-0.91x
-      the oneDNN copy's time from 4 rows to 64 and 1.05x at 256 (`bench_skinny_gemm.py`;
-      `MKL = False` goes back to oneDNN, for measurements); on its AMD CPU the oneDNN copy had
-      beaten F.linear on almost every fp32 shape from 3 rows up (up to 7.6x);
+      the oneDNN copy's time from 4 rows to 64 and 1.05x at 256 (`bench_skinny_gemm.py`); on
+      its AMD CPU, gone before MKL's copy could be timed there, the oneDNN copy had beaten
+      F.linear on almost every fp32 shape from 3 rows up (up to 7.6x). So the default
+      (`MKL = None`) is MKL on Intel CPUs and oneDNN elsewhere (`mkl_preferred_here`: the
+      vendor is a proxy measured on one machine, not a law); `MKL = True / False` forces it;
     - for 1-2 fp32 rows takes whichever of three products `tune_skinny` measured fastest for
       the weight's shape on this machine: F.linear, the packed product, or (W @ x^T)^T with a
       single row sent in as two. The machines disagree: on the course's AMD CPU a one-row
@@ -199,8 +202,9 @@ class Linear(nn.Linear):
     SKINNY_ROWS = range(1, 3)                                # fp32 rows tune_skinny decides
     FEW_ROWS = range(3, 4)                                   # ... with F.linear or packed
     PREPACK = True                                           # CPU products on packed weights
-    MKL = True                                               # fp32 packed for MKL's sgemm
-                                                             # (False: for oneDNN's)
+    MKL = None                                               # fp32 packed for MKL's sgemm
+                                                             # (True), oneDNN's (False), or by
+                                                             # the CPU (None: mkl_preferred_here)
     skinny = "swap"                                          # this layer's 1-2 row product:
                                                              # "swap" | "linear" | "packed"
     few = "packed"                                           # its 3-row product: "linear" |
@@ -259,11 +263,11 @@ class Linear(nn.Linear):
             version = w._version
         except RuntimeError:                                 # an inference tensor: no counter
             version = None
-        key = (w.data_ptr(), version, w.dtype, tuple(w.shape), self.MKL)
+        mkl = mkl_preferred_here() if self.MKL is None else self.MKL
+        key = (w.data_ptr(), version, w.dtype, tuple(w.shape), mkl)
         if self.__dict__.get("_packed_key") != key:
             self.__dict__["_packed_key"] = key
-            self.__dict__["_packed_for"], self.__dict__["_packed"] = _prepack(w.detach(),
-                                                                              self.MKL)
+            self.__dict__["_packed_for"], self.__dict__["_packed"] = _prepack(w.detach(), mkl)
         return self.__dict__["_packed"]
 
 
@@ -361,6 +365,21 @@ def mkl_packs_here() -> bool:
     """Whether this torch has MKL's packed fp32 GEMM (x86 builds do; ARM builds do not)."""
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl,
                                                          "_mkl_reorder_linear_weight")
+
+
+@functools.lru_cache(maxsize=None)
+def mkl_preferred_here() -> bool:
+    """`Linear.MKL`'s default: fp32 weights packed for MKL on an Intel CPU where torch has MKL's
+    packed GEMM, for oneDNN elsewhere. MKL's packed copy was measured faster on the course's
+    Xeon only; MKL is Intel's library and is not known to take its fastest kernels on other
+    vendors' CPUs, and on the course's AMD CPU oneDNN's copy was the measured winner."""
+    if not mkl_packs_here():
+        return False
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("vendor_id") and "GenuineIntel" in line for line in f)
+    except OSError:                                          # not Linux: keep oneDNN
+        return False
 
 
 def _prepack(w, mkl: bool = True):

@@ -1,5 +1,6 @@
 """The decoder against transformers' own implementation of the same weights (CPU, fp32)."""
 import copy
+import io
 import pickle
 
 import pytest
@@ -156,7 +157,7 @@ def test_linear_picks_its_cpu_product_by_rows_dtype_and_grad(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
                         lambda x, *a: calls.append(("packed", x.shape[0])) or real_packed(x, *a))
     fp32 = "packed"                                          # fp32's packed product: oneDNN,
-    if minillm.model.mkl_packs_here():                       # or MKL's where torch has it
+    if minillm.model.mkl_preferred_here():                   # or MKL's (Intel CPUs)
         fp32, real_mkl = "mkl", torch.ops.mkl._mkl_linear
         monkeypatch.setattr(torch.ops.mkl, "_mkl_linear",
                             lambda x, *a: calls.append(("mkl", x.shape[0])) or real_mkl(x, *a))
@@ -192,6 +193,7 @@ def test_linear_mkl_pack_serves_any_number_of_rows(monkeypatch, bias):
     F.linear's numbers at every row count, below, at and above the hint, and for a weight too
     small to fill one of MKL's blocks."""
     torch.manual_seed(0)
+    monkeypatch.setattr(minillm.model.Linear, "MKL", True)   # forced, whatever the vendor
     for n, k in ((16, 8), (37, 19), (960, 576)):
         layer = minillm.model.Linear(k, n, bias=bias)
         layer.skinny = layer.few = "packed"                  # the packed product at 1-3 rows too
@@ -207,7 +209,26 @@ def test_linear_mkl_pack_serves_any_number_of_rows(monkeypatch, bias):
             monkeypatch.setattr(minillm.model.Linear, "MKL", False)   # switched off: packed
             layer(torch.randn(4, k))                                 # again, for oneDNN
             assert layer._packed_for == "onednn"
-            monkeypatch.undo()
+            monkeypatch.setattr(minillm.model.Linear, "MKL", True)
+
+
+def test_mkl_is_the_default_on_intel_cpus_only(monkeypatch):
+    """Linear.MKL = None decides by the CPU: MKL's packed copy on an Intel CPU with MKL's
+    packed GEMM, oneDNN's anywhere else (and without MKL, whatever the vendor)."""
+    import builtins
+    real_open = builtins.open
+    for vendor, packs, expected in (("GenuineIntel", True, True), ("AuthenticAMD", True, False),
+                                    ("GenuineIntel", False, False)):
+        minillm.model.mkl_preferred_here.cache_clear()
+        monkeypatch.setattr(minillm.model, "mkl_packs_here", lambda p=packs: p)
+        monkeypatch.setattr(builtins, "open", lambda path, *a, v=vendor, **kw: (
+            io.StringIO(f"processor\t: 0\nvendor_id\t: {v}\n") if path == "/proc/cpuinfo"
+            else real_open(path, *a, **kw)))
+        assert minillm.model.mkl_preferred_here() is expected, vendor
+        monkeypatch.setattr(builtins, "open", real_open)
+    minillm.model.mkl_preferred_here.cache_clear()
+    monkeypatch.undo()
+    assert minillm.model.Linear.MKL is None
 
 
 def test_linear_packs_again_when_its_weight_changes():
