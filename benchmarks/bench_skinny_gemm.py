@@ -120,12 +120,14 @@ def flip(w, packed, x):
 
 
 def packed(w, packed, x):
-    """oneDNN on the prepacked weight: Linear's path for bf16 (and fp32 without MKL)."""
+    """oneDNN on the prepacked weight: Linear's path for bf16, and for fp32 where MKL's is not
+    the default (`minillm.model.mkl_preferred_here`: CPUs other than Intel's, torch without
+    MKL)."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def mkl_packed(w, packed, x):
-    """MKL's sgemm on its packed copy: Linear's fp32 path from 3 or 4 rows where MKL is here."""
+    """MKL's sgemm on its packed copy: Linear's fp32 path from 3 or 4 rows on an Intel CPU."""
     return torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
 
 
