@@ -169,7 +169,7 @@ class Linear(nn.Linear):
       (`torch.ops.mkldnn._reorder_linear_weight` once, `_linear_pointwise` per call; what
       torch.compile's CPU backend does for frozen weights), on the course's 2-core AMD CPU
       faster than F.linear on every bf16 shape up to 32 rows (up to 2.7x); an fp32 weight for
-      MKL's packed sgemm where torch has it (`torch.ops.mkl._mkl_reorder_linear_weight` once,
+      MKL's packed sgemm on Intel CPUs (`torch.ops.mkl._mkl_reorder_linear_weight` once,
       `_mkl_linear` per call; the library behind F.linear, with the packing done once), else
       for oneDNN. On the course's Xeon a step's fp32 products on the MKL copy took 0.85-0.91x
       the oneDNN copy's time from 4 rows to 64 and 1.05x at 256 (`bench_skinny_gemm.py`); on
@@ -256,8 +256,8 @@ class Linear(nn.Linear):
 
     def prepacked(self):
         """The weight in the layout its product reads (made once per weight version): MKL's
-        packed sgemm layout for fp32 where torch has it and `MKL` is on, else oneDNN's blocked
-        layout; None where this torch cannot pack it."""
+        packed sgemm layout for fp32 when `MKL` (or, left None, `mkl_preferred_here`) says so,
+        else oneDNN's blocked layout; None where this torch cannot pack it."""
         w = self.weight
         try:
             version = w._version
@@ -382,7 +382,7 @@ def mkl_preferred_here() -> bool:
         return False
 
 
-def _prepack(w, mkl: bool = True):
+def _prepack(w, mkl: bool):
     """(library, packed copy) of a 2-D CPU weight: ("mkl", ...) for fp32 when `mkl` and MKL's
     packed GEMM is here, else ("onednn", ...); (None, None) where neither can pack it (no
     oneDNN, no bf16 support, another dtype)."""
