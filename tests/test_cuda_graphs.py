@@ -1,8 +1,9 @@
 """enforce_eager / CUDA graphs for decode steps (minillm.engine.cuda_graphs, chapter 12).
 
-On a CPU: the flag is validated and, when False, ignored with a logged note; the graph runner's
-static buffers and padding are checked with an eager stand-in for the capture (replay = run the
-recorded forward again into the same output), against sequential `minillm.generate`. On a GPU
+On a CPU: the flag is validated and, when False, compiles the step instead (test_compiled.py);
+the graph runner's static buffers and padding are checked with an eager stand-in for the capture
+(replay = run the recorded forward again into the same output), against sequential
+`minillm.generate`. On a GPU
 (skipped elsewhere): real CUDA graphs, greedy tokens and logits equal to the eager engine's.
 """
 import logging
@@ -14,6 +15,7 @@ import torch
 import minillm
 from minillm import SamplingParams, configs
 from minillm.engine import cuda_graphs
+from minillm.engine.compiled import CompiledStep
 from minillm.engine.cuda_graphs import CUDAGraphRunner, NoGraphs, capture_sizes
 from minillm.engine.llm_engine import LLMEngine
 from minillm.loader import random_model
@@ -92,18 +94,21 @@ def test_bad_enforce_eager_is_a_value_error(bad):
         LLMEngine(model, None, num_kv_blocks=8, enforce_eager=bad)
 
 
-def test_cpu_ignores_enforce_eager_false_with_a_note(caplog):
+def test_enforce_eager_false_on_cpu_compiles_and_a_drafter_keeps_it_eager(caplog):
+    """On a CPU enforce_eager=False compiles the step (tests/test_compiled.py checks it); where a
+    drafter reads hidden states, neither graphs nor compiling apply: eager, with a note."""
     model = tiny()
-    prompts, max_tokens = workload(4, seed=1)
+    engine = LLMEngine(model, None, num_kv_blocks=64, block_size=4, enforce_eager=False)
+    assert isinstance(engine.runner.graphs, CompiledStep)
     with caplog.at_level(logging.WARNING, logger="minillm.engine.cuda_graphs"):
-        engine = LLMEngine(model, None, num_kv_blocks=64, block_size=4, enforce_eager=False)
-    assert isinstance(engine.runner.graphs, NoGraphs)
-    assert any("ignored on cpu" in r.getMessage() for r in caplog.records)
-    assert run_engine(engine, prompts, max_tokens) == sequential(model, prompts, max_tokens)
+        runner = cuda_graphs.build_graph_runner(model, engine.runner.cache, 4, False,
+                                                needs_hidden=True)
+    assert isinstance(runner, NoGraphs)
+    assert any("hidden states" in r.getMessage() for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="minillm.engine.cuda_graphs"):
-        LLMEngine(model, None, num_kv_blocks=64, block_size=4)       # default: eager, no note
-    assert not caplog.records
+        engine = LLMEngine(model, None, num_kv_blocks=64, block_size=4)  # default: eager
+    assert isinstance(engine.runner.graphs, NoGraphs) and not caplog.records
 
 
 def test_graph_runner_buffers_and_padding_match_sequential():

@@ -25,9 +25,11 @@ Only pure decode steps replay (every sequence brings one token and samples it); 
 speculative verification, prompt logprobs and models whose hidden states a drafter reads run
 eagerly, as does a batch larger than the largest graph. Sampling stays outside the graph.
 
-`build_graph_runner` is the seam the model runner holds: `NoGraphs` (does nothing) on a CPU,
-with enforce_eager=True, or when hidden states are needed; `CUDAGraphRunner` otherwise. On a CPU
-the flag is accepted and ignored with a logged note (there is no launch overhead to remove).
+`build_graph_runner` is the seam the model runner holds: `NoGraphs` (does nothing) with
+enforce_eager=True or when hidden states are needed; `CUDAGraphRunner` on a GPU. On a CPU there
+are no kernel launches to record, but there is a per-op cost of the same kind (Python and
+dispatch for every small op): there enforce_eager=False compiles the step instead
+(`compiled.py::CompiledStep`).
 Measured on one H100 (2026-11-25, benchmarks/README.md): greedy tokens equal to the eager step's
 in fp32, and decode steps 10x faster for SmolLM2-135M at batch 1 (21.3 -> 2.1 ms), 3.5-4.8x for
 Llama-3.2-1B. minillm's default stays enforce_eager=True (vLLM's is False): CI has no GPU, so
@@ -170,16 +172,20 @@ class CUDAGraphRunner:
 
 def build_graph_runner(model, cache, max_num_seqs: int, enforce_eager: bool,
                        needs_hidden: bool = False):
-    """The model runner's seam: CUDAGraphRunner on a GPU with enforce_eager=False, else NoGraphs
-    (with a logged note where graphs were asked for but cannot apply)."""
+    """The model runner's seam, with enforce_eager=False: CUDAGraphRunner on a GPU, the step
+    compiled by torch.compile on a CPU (compiled.py); else NoGraphs (with a logged note where
+    enforce_eager=False was asked for but cannot apply)."""
     if check_enforce_eager(enforce_eager):
         return NoGraphs()
+    if needs_hidden:
+        logger.warning("enforce_eager=False is ignored: the drafter reads hidden states, which "
+                       "neither a replayed nor a compiled graph reports; steps run eagerly")
+        return NoGraphs()
+    if model.device.type == "cpu":
+        from .compiled import CompiledStep
+        return CompiledStep(model, cache)
     if model.device.type != "cuda":
         logger.warning("enforce_eager=False is ignored on %s: CUDA graphs need a GPU; decode "
                        "steps run eagerly", model.device.type)
-        return NoGraphs()
-    if needs_hidden:
-        logger.warning("enforce_eager=False is ignored: the drafter reads hidden states, which a "
-                       "replayed graph does not report; decode steps run eagerly")
         return NoGraphs()
     return CUDAGraphRunner(model, cache, max_num_seqs)

@@ -73,9 +73,11 @@ class LLM:
     because it is what the tests compare with transformers. kv_cache_dtype: "auto" (the
     model's dtype) or "fp8" (e4m3, one byte per value: twice bf16's tokens per GB; also
     "fp8_e4m3", "fp8_e5m2"), vLLM's names. enforce_eager=False replays decode
-    steps from CUDA graphs on a GPU (`minillm.engine.cuda_graphs`); ignored, with a logged note,
-    on a CPU. The default stays True (vLLM's is False): CI has no GPU to test graphs on every
-    change (measured once on an H100: benchmarks/README.md).
+    steps from CUDA graphs on a GPU (`minillm.engine.cuda_graphs`) and, on a CPU, runs each
+    step through one torch.compile'd graph (`minillm.engine.compiled`; the first steps of each
+    shape compile, tens of seconds). The default stays True (vLLM's is False): CI has no GPU to
+    test graphs on every change (measured once on an H100: benchmarks/README.md), and a short
+    CPU script would spend longer compiling than it saves.
 
     tensor_parallel_size=N (chapter 10) splits the model over N ranks: N - 1 worker processes
     (spawned once, gloo on the CPU) and rank 0 in this process, which samples. N must split the

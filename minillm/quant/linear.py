@@ -61,6 +61,8 @@ class QuantLinear(nn.Module):
     """Shared by the two formats: bias, shapes, the choice of matmul by device."""
 
     gpu_impl = "reference"                                   # a format with a GPU kernel says so
+    opaque = None                                            # the op a compiled step traces
+                                                             # instead (engine/compiled.py)
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -84,6 +86,8 @@ class QuantLinear(nn.Module):
         return self.gpu_impl if device.type == "cuda" else "reference"
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
+        if torch.compiler.is_compiling() and self.opaque is not None:
+            return self.opaque(x)                            # a compiled step (engine/compiled)
         flat = x.reshape(-1, self.in_features)               # [M, K]
         impl = self.choose_impl(flat.device)
         if impl == "reference":

@@ -1,0 +1,188 @@
+"""The step compiled on a CPU (chapter 12): `LLM(enforce_eager=False)` where there is no GPU.
+
+An eager step on a CPU pays for every op it runs: a few microseconds of Python and dispatch
+each, thousands of ops a step (30 layers x the norms, the rotary embedding, SiLU * up, the
+residual adds, the reshapes), besides the products and attention that do the arithmetic.
+torch.compile (Inductor) traces the forward once and fuses that glue into a few generated C++
+loops. Two things it must not trace into:
+
+- **attention**, which reads and writes the paged KV cache through host-side bookkeeping (block
+  tables, a per-step plan): it becomes ONE opaque op per layer, `minillm::attention(q, k, v,
+  layer)`, whose eager body is the cache's own `attend`, reading the step's cache from a
+  forward context set around the call. This is vLLM's shape: its `unified_attention` op finds
+  the layer's cache in a forward context, and its compiler leaves the op alone;
+- **the products**, already on the fastest kernel this machine measured (`model.Linear`: a
+  weight prepacked once, a choice by row count made by timing; `quant.QuantLinear`'s packed
+  int8/int4 kernels): each becomes `minillm::product(x, name)`, whose body is the layer's own
+  eager forward. (Traced, they would lose the prepacked copies and their timing choices.)
+
+So the whole forward is one graph: embedding, rope lookup, 30 x (norm, [product], rope,
+[attention], [product], residual, norm, [product], SiLU * up, [product], residual), norm,
+[lm_head], with the bracketed ops opaque and everything between them fused. Shapes are
+dynamic: a step of any number of tokens reuses a graph, except that Inductor specialises the
+size 1, so a step that samples one row and one that samples several get a graph each (and a
+one-token step its own). The first step of each shape pays the compile, tens of seconds on 2
+cores: an engine that lives long amortises it, a short script does not.
+
+**A step that samples nothing** (a middle chunk of a long prompt) runs eagerly. Its graph would
+end in an empty tensor, and the compiler, told that attention is a function of its inputs with
+no side effects, would drop every layer: nothing it returns needs them, and the KV writes the
+step exists for would never happen (chapter 12 shows it). Declaring the side effect is the
+general fix (vLLM's attention op writes into an output buffer it declares mutated); skipping
+such steps is the small one, and the only step shape it excludes.
+
+The runner also leaves eager every step with a position past the context (the eager forward
+raises its usual error) and everything after a compile failure (no C++ compiler, say; logged
+once); `build_graph_runner` keeps engines whose drafter reads hidden states eager (forward
+hooks do not run inside a compiled graph). In fp32 the greedy tokens equal the eager engine's
+(tests/test_compiled.py; the benchmarks' runs); in bf16 the fused glue rounds once where the
+eager ops round after each op, so near-ties can flip, as between bf16 and fp32.
+
+`build_graph_runner` (cuda_graphs.py) returns a `CompiledStep` on a CPU with
+enforce_eager=False. Measured by `benchmarks/bench_compile.py --engine --whole` (steps) and
+`benchmarks/bench_engine.py` (`minillm_graphs`, `minillm_bf16_graphs`): chapter 12.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_STEP: dict = {"model": None, "cache": None}       # the forward context (this step's)
+_PRODUCTS = weakref.WeakKeyDictionary()            # model -> {name: its product layer}
+
+
+@contextlib.contextmanager
+def forward_context(model, cache):
+    """Within it, `minillm::product(x, name)` runs `model`'s layer `name` and
+    `minillm::attention` calls `cache.attend` (vLLM's set_forward_context)."""
+    saved = dict(_STEP)
+    _STEP.update(model=model, cache=cache)
+    try:
+        yield
+    finally:
+        _STEP.update(saved)
+
+
+@torch.library.custom_op("minillm::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer `layer`'s paged attention (stores k, v and attends): the cache's own `attend`,
+    q [1, T, H, D], k/v [1, T, KVH, D] -> [1, T, H, D]. The KV pools it writes are not inputs:
+    the compiler keeps the op because later layers read its output (a graph whose result needs
+    none of it drops it: see "a step that samples nothing" above)."""
+    return _STEP["cache"].attend(layer, q, k, v)
+
+
+@attention.register_fake
+def _(q, k, v, layer):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("minillm::product", mutates_args=())
+def product(x: torch.Tensor, name: str) -> torch.Tensor:
+    """The forward context's model's layer `name` (e.g. "layers.0.mlp.down_proj"), its eager
+    forward: x [..., K] -> [..., N]. Named by its place in the model, not by the object, so
+    every model of one architecture shares the compiled graphs."""
+    return _PRODUCTS[_STEP["model"]][name](x)
+
+
+@product.register_fake
+def _(x, name):
+    return x.new_empty((*x.shape[:-1], _PRODUCTS[_STEP["model"]][name].out_features))
+
+
+class _OpaqueCache:
+    """What the traced layers see as their cache: attention goes through the opaque op."""
+
+    def attend(self, layer: int, q, k, v):
+        return torch.ops.minillm.attention(q, k, v, layer)
+
+
+def compiled_products(model) -> int:
+    """Give each product layer of `model` (model.Linear, quant.QuantLinear) its opaque op, as
+    its `opaque` attribute: its forward calls it while torch.compile traces the layer, and never
+    in eager mode. The layers keep it: another torch.compile of them must then run inside
+    `forward_context(model, ...)`, where the op finds them. Returns the number of layers."""
+    from ..model import Linear
+    from ..quant.linear import QuantLinear
+    layers = {name: m for name, m in model.named_modules()
+              if isinstance(m, (Linear, QuantLinear))}
+    for name, m in layers.items():
+        m.opaque = functools.partial(torch.ops.minillm.product, name=name)
+    _PRODUCTS[model] = layers
+    return len(layers)
+
+
+_OPAQUE = _OpaqueCache()
+
+
+def _forward(model, input_ids, positions, logits_rows):
+    """Transformer.forward without its host-side checks (CompiledStep.run does them):
+    input_ids [1, T], positions [1, T], logits_rows [S] -> logits [S, V]."""
+    cos, sin = model.rope(positions)                         # [1, T, 1, D] each
+    x = model.embed_tokens(input_ids)                        # [1, T, C]
+    for layer in model.layers:
+        x = layer(x, cos, sin, _OPAQUE)
+    return model.lm_head(model.norm(x[:, logits_rows]))[0]         # [S, V]
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_forward():
+    """`_forward` compiled, made once per process: the model is an argument and its layers are
+    named by place, so every engine on a model, and every model of the same architecture,
+    dtype and layer kinds, share its graphs."""
+    return torch.compile(_forward, dynamic=True)
+
+
+class CompiledStep:
+    """The model runner's seam on a CPU with enforce_eager=False: each step's forward through
+    one torch.compile'd graph (see the module docstring). run() returns logits [S, V], or None
+    when the step must run eagerly."""
+
+    sizes: list = []                                         # no graphs per batch size
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+        self.limit = model.config.max_position_embeddings
+        self.disabled: Optional[str] = None                  # why steps run eagerly now
+        self.num_products = compiled_products(model)
+        self.fn = compiled_forward()
+
+    def run(self, step, scheduled) -> Optional[torch.Tensor]:
+        if self.disabled is not None:
+            return None
+        meta = step.meta
+        if len(step.logits_rows) == 0:                      # see "a step that samples nothing"
+            return None
+        if int(meta.positions.max()) >= self.limit:
+            return None                                      # the eager forward says why
+        self.cache.set_step(meta)
+        try:
+            with forward_context(self.model, self.cache):
+                logits = self.fn(self.model, step.input_ids, meta.positions[None],
+                                 step.logits_rows)
+        except Exception as e:                  # noqa: BLE001 - a compiler failure: go eager
+            if not _is_compiler_failure(e):
+                raise
+            self.disabled = f"torch.compile failed ({type(e).__name__}: {e})"
+            logger.warning("enforce_eager=False: %s; steps run eagerly", self.disabled)
+            return None
+        self.cache.advance(meta.num_tokens)
+        return logits
+
+
+def _is_compiler_failure(e: Exception) -> bool:
+    """A failure of torch.compile itself (Dynamo, Inductor, the C++ toolchain), not of the
+    forward it compiles (those raise in eager mode too and are the caller's to report)."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
+    except ImportError:                                      # pragma: no cover
+        return False
+    return isinstance(e, (BackendCompilerFailed, TorchDynamoException))
+

@@ -1,0 +1,149 @@
+"""The step compiled on a CPU (minillm.engine.compiled, chapter 12): LLM(enforce_eager=False).
+
+Greedy tokens of the compiled engine equal sequential `minillm.generate` (fp32, a tiny random
+model) under chunked prefill, prefix caching and several sequences at once; a chunk that
+samples nothing runs eagerly; a compiler failure leaves the engine eager with a note, and a
+failure of the forward itself stays the request's error. Inductor's CPU backend needs a C++
+compiler: without one the compiling tests are skipped (the fallback test is not).
+"""
+import logging
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from minillm import SamplingParams
+from minillm.engine import compiled
+from minillm.engine.compiled import CompiledStep
+from minillm.engine.llm_engine import LLMEngine
+from minillm.model import fused_causal_attention
+from minillm.quant import quantize_model
+from test_cuda_graphs import run_engine, sequential, tiny, workload
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+needs_cxx = pytest.mark.skipif(
+    not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
+    reason="torch.compile's CPU backend (Inductor) needs a C++ compiler")
+
+
+def counting(runner):
+    """Wrap runner.run to record, per step, whether the compiled graph ran it."""
+    ran = []
+    real = runner.run
+    runner.run = lambda step, sched: (lambda out: (ran.append(out is not None), out)[1])(
+        real(step, sched))
+    return ran
+
+
+@needs_cxx
+def test_compiled_step_equals_sequential_greedy():
+    """9 prompts of 1..40 tokens, 16-token chunks, 4 sequences at a time (prefix caching on,
+    the engine's default): chunks that sample nothing run eagerly, the rest compiled."""
+    model = tiny()
+    prompts, max_tokens = workload(9, seed=4)
+    prompts[0] = prompts[0] + prompts[1] + prompts[2]       # one prompt of several chunks
+    prompts[3] = prompts[1][:8] + prompts[3]                # a shared prefix
+    engine = LLMEngine(model, None, num_kv_blocks=200, block_size=4, max_num_seqs=4,
+                       max_num_batched_tokens=16, enforce_eager=False)
+    assert isinstance(engine.runner.graphs, CompiledStep)
+    ran = counting(engine.runner.graphs)
+    assert run_engine(engine, prompts, max_tokens) == sequential(model, prompts, max_tokens)
+    assert sum(ran) > 0 and not all(ran)                    # compiled, and some chunks eager
+    assert engine.runner.graphs.disabled is None
+    assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
+
+
+class PlainAttention:
+    """A stand-in cache for the graph alone: causal attention over the step's own tokens."""
+
+    def attend(self, layer, q, k, v):
+        return fused_causal_attention(q, k, v)
+
+
+@needs_cxx
+def test_compiled_graph_logits_equal_the_eager_forward():
+    """The compiled graph against Transformer.forward without a cache, at the rows asked for
+    (the fused glue rounds like the eager ops up to float rounding), with the products and
+    attention left opaque, and shared by a second model of the same shapes."""
+    model = tiny()
+    ids = torch.tensor([[5, 9, 2, 7, 1, 3, 8]])
+    rows = torch.tensor([2, 6])
+    compiled.compiled_products(model)
+    with torch.inference_mode(), compiled.forward_context(model, PlainAttention()):
+        fn = compiled.compiled_forward()
+        fn(model, ids, torch.arange(7)[None], rows)                     # compiles
+        with torch.profiler.profile() as prof:
+            got = fn(model, ids, torch.arange(7)[None], rows)
+        want = model(ids)[0, rows]                                  # [2, V]
+    assert compiled._STEP["cache"] is None
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    calls = [e.name for e in prof.events()]
+    # the products and attention ran as the opaque ops, once per layer each, not traced through
+    assert calls.count("minillm::product") == 2 * 4 + 1
+    assert calls.count("minillm::attention") == 2
+    # another model of the same architecture reuses the graph: no compile per model (which
+    # would also run into torch.compile's limit of graphs per function, then silently eager)
+    other = tiny()
+    compiled.compiled_products(other)
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.inference_mode(), compiled.forward_context(other, PlainAttention()):
+        got = fn(other, ids, torch.arange(7)[None], rows)
+        want = other(ids)[0, rows]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_cxx
+def test_compiled_step_with_int8_products_equals_its_eager_engine():
+    """Quantized layers (quant.QuantLinear) stay opaque too: the same tokens as the eager
+    engine on the same int8 model."""
+    model = quantize_model(tiny(), "int8")
+    prompts, max_tokens = workload(5, seed=6)
+    kw = dict(num_kv_blocks=100, block_size=4, max_num_seqs=4)
+    eager = run_engine(LLMEngine(model, None, **kw), prompts, max_tokens)
+    engine = LLMEngine(model, None, enforce_eager=False, **kw)
+    ran = counting(engine.runner.graphs)
+    assert run_engine(engine, prompts, max_tokens) == eager and sum(ran) > 0
+
+
+class Boom(torch._dynamo.exc.TorchDynamoException):
+    pass
+
+
+def test_compiler_failure_falls_back_to_eager_with_a_note(caplog, monkeypatch):
+    model = tiny()
+    prompts, max_tokens = workload(4, seed=5)
+    engine = LLMEngine(model, None, num_kv_blocks=64, block_size=4, enforce_eager=False)
+    graphs = engine.runner.graphs
+
+    def broken(*args):
+        raise Boom("no C++ compiler here")
+    monkeypatch.setattr(graphs, "fn", broken)
+    with caplog.at_level(logging.WARNING, logger="minillm.engine.compiled"):
+        assert run_engine(engine, prompts, max_tokens) == sequential(model, prompts, max_tokens)
+    assert "no C++ compiler here" in graphs.disabled
+    assert sum("steps run eagerly" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failing_forward_is_the_requests_error_not_a_fallback(monkeypatch):
+    model = tiny()
+    engine = LLMEngine(model, None, num_kv_blocks=64, block_size=4, enforce_eager=False)
+    graphs = engine.runner.graphs
+
+    def broken(*args):
+        raise RuntimeError("bad forward")
+    monkeypatch.setattr(graphs, "fn", broken)
+    engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2))
+    out = []
+    while engine.has_unfinished_requests():
+        out += engine.step()
+    assert out[0].finish_reason == "error" and "bad forward" in out[0].error
+    assert graphs.disabled is None
+
+
+def test_products_are_registered_once_per_layer():
+    model = tiny()
+    assert compiled.compiled_products(model) == 2 * 4 + 1          # 2 layers x 4, lm_head
+    assert all(m.opaque is not None for m in model.modules() if hasattr(m, "opaque"))
