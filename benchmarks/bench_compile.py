@@ -28,6 +28,10 @@ the record holds the median step of each, the first compiled step (the compile),
 the compiled step, and whether eager and compiled decoding give the same greedy tokens.
 
     python benchmarks/bench_compile.py --engine --batch 1 16 --out benchmarks/results/x.json
+
+`--engine --whole` compiles the engine's way instead (`LLM(enforce_eager=False)` on a CPU,
+minillm/engine/compiled.py): the whole forward one graph, attention and the products opaque
+ops, so nothing splits it; `--dtype bfloat16` for a bf16 model.
 """
 from __future__ import annotations
 
@@ -144,14 +148,34 @@ class piecewise_compiled:
         self.cls.forward, Linear.forward = self.saved
 
 
-def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tokens: int):
+class whole_compiled:
+    """Within this context `engine` runs every step that samples through one torch.compile'd
+    graph of the whole forward, attention and products opaque: the engine's own
+    enforce_eager=False path on a CPU (minillm/engine/compiled.py), swapped in and out."""
+
+    def __init__(self, engine):
+        from minillm.engine.compiled import CompiledStep
+        self.runner = engine.runner
+        self.compiled = CompiledStep(engine.runner.model, engine.runner.cache)
+
+    def __enter__(self):
+        self.saved, self.runner.graphs = self.runner.graphs, self.compiled
+        return self
+
+    def __exit__(self, *exc):
+        self.runner.graphs = self.saved
+
+
+def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tokens: int,
+                whole: bool = False):
     from minillm.lab.profiling import GEMM_OPS, decode_engine, profile_steps, time_steps
 
-    comp = piecewise_compiled()
+    piecewise = None if whole else piecewise_compiled()
     rows = []
     for b in batches:
         engine = decode_engine(model, b, context,          # room for every step below
                                max_new_tokens=2 * rounds * steps + 10 * steps + 64)
+        comp = whole_compiled(engine) if whole else piecewise
         row = {"batch": b}
         with torch.inference_mode():
             time_steps(engine, 2)
@@ -186,7 +210,7 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
             c = decode_engine(model, b, context, max_new_tokens=check_tokens)
             while a.has_unfinished():
                 a.step()
-            with comp:
+            with (whole_compiled(c) if whole else comp):
                 while c.has_unfinished():
                     c.step()
             toks = [[r.output_token_ids for reqs in e.groups.values() for r in reqs]
@@ -201,7 +225,7 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
 
 def finish(args, load_before: float, rows: list, **fields) -> dict:
     """The record (what ran, where, when, how loaded, the command), written to --out."""
-    record = {**fields, "model": "smollm2-135m", "dtype": "float32", "threads": args.threads,
+    record = {**fields, "model": "smollm2-135m", "dtype": args.dtype, "threads": args.threads,
               "device": cpu_model(), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
               "load_before": load_before, "load_after": os.getloadavg()[0],
@@ -219,6 +243,11 @@ def main(argv=None):
     p.add_argument("--engine", action="store_true",
                    help="the whole decode step in the engine, compiled in pieces split at "
                         "attention (see the module docstring)")
+    p.add_argument("--whole", action="store_true",
+                   help="--engine: one graph per step instead, attention and products opaque "
+                        "ops (the engine's enforce_eager=False on a CPU)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's dtype (bfloat16 needs native bf16 on the CPU)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="--engine: sequences")
     p.add_argument("--context", type=int, default=64, help="--engine: prompt tokens")
     p.add_argument("--steps", type=int, default=10, help="--engine: steps per timed round")
@@ -229,13 +258,17 @@ def main(argv=None):
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
     torch.set_num_threads(args.threads)
-    model, _ = minillm.load_model("smollm2-135m", device="cpu")
+    model, _ = minillm.load_model("smollm2-135m", device="cpu",
+                                  dtype=getattr(torch, args.dtype))
     if args.engine:
         rows = engine_rows(model, args.batch, args.context, args.steps, args.rounds,
-                           args.check_tokens)
-        return finish(args, load_before, rows, benchmark="compile_engine",
-                      what="decode steps in the engine, each layer's two halves torch.compile'd "
-                           "(default mode, static shapes), paged attention eager between them",
+                           args.check_tokens, whole=args.whole)
+        what = ("decode steps in the engine, the whole forward one torch.compile'd graph "
+                "(default mode, dynamic shapes), paged attention and the products opaque ops"
+                if args.whole else
+                "decode steps in the engine, each layer's two halves torch.compile'd "
+                "(default mode, static shapes), paged attention eager between them")
+        return finish(args, load_before, rows, benchmark="compile_engine", what=what,
                       context=args.context)
     C = model.config.hidden_size
     rows_out = []

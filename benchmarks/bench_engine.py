@@ -18,8 +18,12 @@ its output length. The same requests, the same weights, greedy decoding, through
     minillm_onednn minillm continuous on a copy of the model whose fp32 products run on
                    oneDNN's prepacked weights (`Linear.MKL` off: the path before MKL's packed
                    sgemm), next to minillm in the same run
+    minillm_graphs minillm with enforce_eager=False: decode steps replayed from CUDA graphs on
+                   a GPU, every step through one torch.compile'd graph on a CPU
+                   (minillm/engine/compiled.py); minillm_bf16_graphs: the same in bf16
 
-Output tokens/s = requested output tokens / wall time of the whole run (after one warm-up).
+Output tokens/s = requested output tokens / wall time of the whole run (after a warm-up of
+one request, then two: on a CPU the compiled systems compile their graphs there).
 
     python benchmarks/bench_engine.py                  # CPU: bundled SmolLM2, N=16, lengths
                                                        # 32..128, 4 sequences at a time
@@ -53,7 +57,8 @@ from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: 
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear",
-           "minillm_bf16", "minillm_int4", "llama_cpp", "minillm_graphs", "minillm_onednn")
+           "minillm_bf16", "minillm_int4", "llama_cpp", "minillm_graphs", "minillm_onednn",
+           "minillm_bf16_graphs")
 DEFAULT_SYSTEMS = SYSTEMS[:5]   # on a CPU; the others are asked for by name (bf16 CPU, llama.cpp
                                 # built); on CUDA the defaults swap minillm_static and
                                 # minillm_nn_linear (a CPU GEMM choice) for minillm_graphs
@@ -231,11 +236,11 @@ def run_minillm_onednn(mini, prompts, outputs, args):
 _BF16 = {}                       # id(fp32 model) -> its bf16 copy, made once per run
 
 
-def run_minillm_bf16(mini, prompts, outputs, args):
+def run_minillm_bf16(mini, prompts, outputs, args, enforce_eager=True):
     import copy
     if id(mini) not in _BF16:
         _BF16[id(mini)] = copy.deepcopy(mini).to(resolve_dtype("bfloat16", mini.device))
-    return run_minillm(_BF16[id(mini)], prompts, outputs, args)
+    return run_minillm(_BF16[id(mini)], prompts, outputs, args, enforce_eager=enforce_eager)
 
 
 _INT4 = {}                       # id(fp32 model) -> its bf16 copy with int4 decoder linears
@@ -297,6 +302,7 @@ RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
            "minillm_nn_linear": lambda m, h, p, o, a: run_minillm_nn_linear(m, p, o, a),
            "minillm_onednn": lambda m, h, p, o, a: run_minillm_onednn(m, p, o, a),
            "minillm_bf16": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a),
+           "minillm_bf16_graphs": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a, False),
            "minillm_int4": lambda m, h, p, o, a: run_minillm_int4(m, p, o, a),
            "llama_cpp": lambda m, h, p, o, a: run_llama_cpp(p, o, a)}
 
@@ -361,10 +367,13 @@ def main(argv=None):
         mini, hf = load_pair(name, args.weights, args.device, dtype)
         prompts, outputs = workload(args.num_requests, args.min_len, args.max_len,
                                     mini.config.vocab_size, args.seed)
-        warm_p, warm_o = workload(2, 4, 8, mini.config.vocab_size, args.seed + 1)
+        # warm-up: one request (a prefill that samples one row, one-token decodes), then two
+        # (several rows): the step shapes a compiled system makes its graphs for
+        warm = [workload(n, 4, 8, mini.config.vocab_size, args.seed + 1) for n in (1, 2)]
         produced, runs = {}, {system: [] for system in args.systems}
         for system in args.systems:
-            timed(system, mini, hf, warm_p, warm_o, args)           # warm-up
+            for warm_p, warm_o in warm:
+                timed(system, mini, hf, warm_p, warm_o, args)
         for rep in range(args.repeats):          # interleaved: load drifts hit every system
             for system in args.systems:
                 tokens, info = timed(system, mini, hf, prompts, outputs, args)

@@ -91,13 +91,16 @@ def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
     seen = []
     monkeypatch.setattr(bench, "run_minillm",
-                        lambda mini, p, o, a, scheduling="continuous": seen.append(mini.dtype))
+                        lambda mini, p, o, a, scheduling="continuous", enforce_eager=True:
+                        seen.append((mini.dtype, enforce_eager)))
     cfg = ModelConfig(name="t", vocab_size=50, hidden_size=16, intermediate_size=32,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
                       max_position_embeddings=64)
     mini = loader.random_model(cfg, device="cpu", dtype=torch.float32)
     bench.run_minillm_bf16(mini, [], [], None)
-    assert seen == [torch.bfloat16] and mini.dtype == torch.float32
+    bench.RUNNERS["minillm_bf16_graphs"](mini, None, [], [], None)     # compiled, on a CPU
+    assert seen == [(torch.bfloat16, True), (torch.bfloat16, False)]
+    assert mini.dtype == torch.float32
 
 
 def test_int4_system_quantizes_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
