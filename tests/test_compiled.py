@@ -55,6 +55,46 @@ def test_compiled_step_equals_sequential_greedy():
     assert engine.block_manager.num_free_blocks == engine.num_kv_blocks
 
 
+@needs_cxx
+@pytest.mark.parametrize("kw", [
+    dict(speculative_config=dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1,
+                                 prompt_lookup_max=3)),
+    dict(num_kv_blocks=24, block_size=4, preemption="recompute"),
+], ids=["ngram_speculation", "preemption"])
+def test_compiled_step_under_speculation_and_preemption(kw):
+    """Verification steps (k + 1 rows a sequence) and recomputed sequences go through the
+    graph too: the tokens equal sequential greedy generation."""
+    model = tiny()
+    prompts, max_tokens = workload(8, seed=7)
+    prompts = [p * 3 for p in prompts]                     # repeats: prompt lookup finds some
+    engine = LLMEngine(model, None, max_num_seqs=4, enforce_eager=False,
+                       **{"num_kv_blocks": 200, "block_size": 4, **kw})
+    ran = counting(engine.runner.graphs)
+    assert run_engine(engine, prompts, max_tokens) == sequential(model, prompts, max_tokens)
+    assert sum(ran) > 0
+    if "preemption" in kw:
+        assert engine.num_preemptions > 0
+
+
+def test_compiled_prompt_logprobs_equal_the_eager_engines():
+    model = tiny()
+    params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1)
+    got = []
+    for eager in (True, False):
+        engine = LLMEngine(model, None, num_kv_blocks=64, block_size=4, enforce_eager=eager)
+        engine.add_request("a", [5, 9, 2, 7, 1, 3, 8, 4], params)
+        out = []
+        while engine.has_unfinished_requests():
+            out += engine.step()
+        got.append(out[0])
+    assert got[0].token_ids == got[1].token_ids
+    lp = [[next(iter(d.values())).logprob if d else None for d in o.prompt_logprobs]
+          for o in got]
+    assert lp[0][0] is None and len(lp[0]) == len(lp[1]) == 8
+    torch.testing.assert_close(torch.tensor(lp[0][1:]), torch.tensor(lp[1][1:]),
+                               rtol=1e-4, atol=1e-4)
+
+
 class PlainAttention:
     """A stand-in cache for the graph alone: causal attention over the step's own tokens."""
 
