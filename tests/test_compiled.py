@@ -19,22 +19,13 @@ from minillm.engine.compiled import CompiledStep
 from minillm.engine.llm_engine import LLMEngine
 from minillm.model import fused_causal_attention
 from minillm.quant import quantize_model
-from test_cuda_graphs import run_engine, sequential, tiny, workload
+from test_cuda_graphs import counting, run_engine, sequential, tiny, workload
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 needs_cxx = pytest.mark.skipif(
     not any(shutil.which(c) for c in ("g++", "c++", "clang++")),
     reason="torch.compile's CPU backend (Inductor) needs a C++ compiler")
-
-
-def counting(runner):
-    """Wrap runner.run to record, per step, whether the compiled graph ran it."""
-    ran = []
-    real = runner.run
-    runner.run = lambda step, sched: (lambda out: (ran.append(out is not None), out)[1])(
-        real(step, sched))
-    return ran
 
 
 @needs_cxx

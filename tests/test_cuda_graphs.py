@@ -55,6 +55,15 @@ def sequential(model, prompts, max_tokens):
             for p, m in zip(prompts, max_tokens)]
 
 
+def counting(graphs):
+    """Wrap graphs.run to record, per step, whether the graph ran it (not None: it did)."""
+    ran = []
+    real = graphs.run
+    graphs.run = lambda step, sched: (lambda out: (ran.append(out is not None), out)[1])(
+        real(step, sched))
+    return ran
+
+
 class EagerCapture:
     """Stands in for cuda_graph_capture on a CPU: 'replay' runs the recorded forward again and
     writes into the output tensor captured first, as a graph replay does. Records every replay's
@@ -166,10 +175,7 @@ def test_cuda_graphs_equal_eager_on_gpu(dtype):
     engine = LLMEngine(model, None, enforce_eager=False, **kw)
     graphs = engine.runner.graphs
     assert isinstance(graphs, CUDAGraphRunner) and graphs.sizes == [1, 2, 4, 8]
-    replays = []
-    real_run = graphs.run
-    graphs.run = lambda step, sched: (lambda out: (replays.append(out is not None), out)[1])(
-        real_run(step, sched))
+    replays = counting(graphs)
     got = run_engine(engine, prompts, max_tokens)
     assert sum(replays) > 0
     if dtype == torch.float32:      # bf16: a padded GEMM may round differently and flip a tie

@@ -145,13 +145,11 @@ class CompiledStep:
     one torch.compile'd graph (see the module docstring). run() returns logits [S, V], or None
     when the step must run eagerly."""
 
-    sizes: list = []                                         # no graphs per batch size
-
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
         self.limit = model.config.max_position_embeddings
         self.disabled: Optional[str] = None                  # why steps run eagerly now
-        self.num_products = compiled_products(model)
+        compiled_products(model)
         self.fn = compiled_forward()
 
     def run(self, step, scheduled) -> Optional[torch.Tensor]:
@@ -180,9 +178,6 @@ class CompiledStep:
 def _is_compiler_failure(e: Exception) -> bool:
     """A failure of torch.compile itself (Dynamo, Inductor, the C++ toolchain), not of the
     forward it compiles (those raise in eager mode too and are the caller's to report)."""
-    try:
-        from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
-    except ImportError:                                      # pragma: no cover
-        return False
+    from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
     return isinstance(e, (BackendCompilerFailed, TorchDynamoException))
 
