@@ -49,8 +49,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 import minillm  # noqa: E402
+from bench_step_profile import cpu_model  # noqa: E402
 from minillm import SamplingParams, configs  # noqa: E402
 from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: E402
                             to_hf_state_dict)
@@ -342,8 +343,7 @@ def _loadavg():
 def device_name(device):
     if device == "cuda":
         return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
-           f"{torch.get_num_threads()} torch threads)"
+    return f"CPU ({cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
 
 
 def main(argv=None):
