@@ -209,12 +209,12 @@ class Linear(nn.Linear):
                                                              # "swap" | "linear" | "packed"
     few = "packed"                                           # its 3-row product: "linear" |
                                                              # "packed"
-    opaque = None                                            # the op a compiled step traces
-                                                             # instead (engine/compiled.py)
+    opaque_name = None                                       # what a compiled step calls
+                                                             # this layer (engine/compiled.py)
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
-        if torch.compiler.is_compiling() and self.opaque is not None:
-            return self.opaque(x)                            # a compiled step (engine/compiled)
+        if torch.compiler.is_compiling() and self.opaque_name is not None:   # a compiled step:
+            return torch.ops.minillm.product(x, self.opaque_name)     # engine/compiled.py
         w = self.weight
         if (x.device.type != "cpu" or x.dtype != w.dtype
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):

@@ -7,6 +7,7 @@ failure of the forward itself stays the request's error. Inductor's CPU backend 
 compiler: without one the compiling tests are skipped (the fallback test is not).
 """
 import logging
+import pickle
 import shutil
 
 import pytest
@@ -174,7 +175,11 @@ def test_a_failing_forward_is_the_requests_error_not_a_fallback(monkeypatch):
     assert graphs.disabled is None
 
 
-def test_products_are_registered_once_per_layer():
+def test_products_are_named_by_place_and_the_model_still_pickles():
     model = tiny()
     assert compiled.compiled_products(model) == 2 * 4 + 1          # 2 layers x 4, lm_head
-    assert all(m.opaque is not None for m in model.modules() if hasattr(m, "opaque"))
+    names = {name: m.opaque_name for name, m in model.named_modules()
+             if getattr(m, "opaque_name", None) is not None}
+    assert len(names) == 9 and all(k == v for k, v in names.items())
+    copy = pickle.loads(pickle.dumps(model))            # torch.save, worker processes
+    assert copy.layers[1].mlp.down_proj.opaque_name == "layers.1.mlp.down_proj"

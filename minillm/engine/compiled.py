@@ -105,16 +105,18 @@ class _OpaqueCache:
 
 
 def compiled_products(model) -> int:
-    """Give each product layer of `model` (model.Linear, quant.QuantLinear) its opaque op, as
-    its `opaque` attribute: its forward calls it while torch.compile traces the layer, and never
-    in eager mode. The layers keep it: another torch.compile of them must then run inside
-    `forward_context(model, ...)`, where the op finds them. Returns the number of layers."""
+    """Name each product layer of `model` (model.Linear, quant.QuantLinear) by its place, as
+    its `opaque_name`: while torch.compile traces the layer, its forward calls
+    `minillm::product(x, opaque_name)` instead of itself (never in eager mode). The layers keep
+    the name (a string: the model still pickles and copies); another torch.compile of them must
+    then run inside `forward_context(model, ...)`, where the op finds them. Returns the number
+    of layers."""
     from ..model import Linear
     from ..quant.linear import QuantLinear
     layers = {name: m for name, m in model.named_modules()
               if isinstance(m, (Linear, QuantLinear))}
     for name, m in layers.items():
-        m.opaque = functools.partial(torch.ops.minillm.product, name=name)
+        m.opaque_name = name
     _PRODUCTS[model] = layers
     return len(layers)
 

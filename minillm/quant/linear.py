@@ -61,8 +61,8 @@ class QuantLinear(nn.Module):
     """Shared by the two formats: bias, shapes, the choice of matmul by device."""
 
     gpu_impl = "reference"                                   # a format with a GPU kernel says so
-    opaque = None                                            # the op a compiled step traces
-                                                             # instead (engine/compiled.py)
+    opaque_name = None                                       # what a compiled step calls
+                                                             # this layer (engine/compiled.py)
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -86,8 +86,8 @@ class QuantLinear(nn.Module):
         return self.gpu_impl if device.type == "cuda" else "reference"
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
-        if torch.compiler.is_compiling() and self.opaque is not None:
-            return self.opaque(x)                            # a compiled step (engine/compiled)
+        if torch.compiler.is_compiling() and self.opaque_name is not None:   # a compiled step:
+            return torch.ops.minillm.product(x, self.opaque_name)     # engine/compiled.py
         flat = x.reshape(-1, self.in_features)               # [M, K]
         impl = self.choose_impl(flat.device)
         if impl == "reference":
