@@ -9,6 +9,8 @@ compiler: without one the compiling tests are skipped (the fallback test is not)
 import logging
 import pickle
 import shutil
+import sys
+import threading
 
 import pytest
 import torch
@@ -68,6 +70,32 @@ def test_compiled_step_under_speculation_and_preemption(kw):
         assert engine.num_preemptions > 0
 
 
+@needs_cxx
+def test_two_engines_in_two_threads_keep_their_own_caches():
+    """The forward context is per thread: two compiled engines stepping at the same time in
+    two threads each attend to their own KV cache."""
+    model = tiny()
+    prompts, max_tokens = workload(8, seed=8)
+    want = sequential(model, prompts, max_tokens)
+    kw = dict(num_kv_blocks=100, block_size=4, max_num_seqs=4, enforce_eager=False)
+    run_engine(LLMEngine(model, None, **kw), prompts[:2], max_tokens[:2])     # compile first
+    got = {}
+
+    def serve(i):
+        got[i] = run_engine(LLMEngine(model, None, **kw), prompts[i::2], max_tokens[i::2])
+    threads = [threading.Thread(target=serve, args=(i,)) for i in (0, 1)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)                 # switch threads often: mid-step, every step
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    finally:
+        sys.setswitchinterval(interval)
+    assert got == {0: want[0::2], 1: want[1::2]}
+
+
 def test_compiled_prompt_logprobs_equal_the_eager_engines():
     model = tiny()
     params = SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1)
@@ -109,7 +137,7 @@ def test_compiled_graph_logits_equal_the_eager_forward():
         with torch.profiler.profile() as prof:
             got = fn(model, ids, torch.arange(7)[None], rows)
         want = model(ids)[0, rows]                                  # [2, V]
-    assert compiled._STEP["cache"] is None
+    assert compiled._STEP.cache is None and compiled._STEP.model is None
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     calls = [e.name for e in prof.events()]
     # the products and attention ran as the opaque ops, once per layer each, not traced through

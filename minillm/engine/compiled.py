@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import threading
 import weakref
 from typing import Optional
 
@@ -54,7 +55,13 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_STEP: dict = {"model": None, "cache": None}       # the forward context (this step's)
+class _Context(threading.local):
+    """The forward context: the model and KV cache of the step this thread is running."""
+    model = None
+    cache = None
+
+
+_STEP = _Context()
 _PRODUCTS = weakref.WeakKeyDictionary()            # model -> {name: its product layer}
 
 
@@ -62,12 +69,12 @@ _PRODUCTS = weakref.WeakKeyDictionary()            # model -> {name: its product
 def forward_context(model, cache):
     """Within it, `minillm::product(x, name)` runs `model`'s layer `name` and
     `minillm::attention` calls `cache.attend` (vLLM's set_forward_context)."""
-    saved = dict(_STEP)
-    _STEP.update(model=model, cache=cache)
+    saved = _STEP.model, _STEP.cache
+    _STEP.model, _STEP.cache = model, cache
     try:
         yield
     finally:
-        _STEP.update(saved)
+        _STEP.model, _STEP.cache = saved
 
 
 @torch.library.custom_op("minillm::attention", mutates_args=())
@@ -76,7 +83,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> 
     q [1, T, H, D], k/v [1, T, KVH, D] -> [1, T, H, D]. The KV pools it writes are not inputs:
     the compiler keeps the op because later layers read its output (a graph whose result needs
     none of it drops it: see "a step that samples nothing" above)."""
-    return _STEP["cache"].attend(layer, q, k, v)
+    return _STEP.cache.attend(layer, q, k, v)
 
 
 @attention.register_fake
@@ -89,12 +96,12 @@ def product(x: torch.Tensor, name: str) -> torch.Tensor:
     """The forward context's model's layer `name` (e.g. "layers.0.mlp.down_proj"), its eager
     forward: x [..., K] -> [..., N]. Named by its place in the model, not by the object, so
     every model of one architecture shares the compiled graphs."""
-    return _PRODUCTS[_STEP["model"]][name](x)
+    return _PRODUCTS[_STEP.model][name](x)
 
 
 @product.register_fake
 def _(x, name):
-    return x.new_empty((*x.shape[:-1], _PRODUCTS[_STEP["model"]][name].out_features))
+    return x.new_empty((*x.shape[:-1], _PRODUCTS[_STEP.model][name].out_features))
 
 
 class _OpaqueCache:
