@@ -55,6 +55,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+
 class _Context(threading.local):
     """The forward context: the model and KV cache of the step this thread is running."""
     model = None
