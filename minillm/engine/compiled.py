@@ -53,6 +53,8 @@ from typing import Optional
 
 import torch
 
+from .cuda_graphs import decode_forward
+
 logger = logging.getLogger(__name__)
 
 
@@ -106,10 +108,14 @@ def _(x, name):
 
 
 class _OpaqueCache:
-    """What the traced layers see as their cache: attention goes through the opaque op."""
+    """What the traced layers see as their cache: attention goes through the opaque op (the
+    real cache advances outside the graph, in CompiledStep.run)."""
 
     def attend(self, layer: int, q, k, v):
         return torch.ops.minillm.attention(q, k, v, layer)
+
+    def advance(self, num_tokens: int) -> None:
+        pass
 
 
 def compiled_products(model) -> int:
@@ -133,13 +139,9 @@ _OPAQUE = _OpaqueCache()
 
 
 def _forward(model, input_ids, positions, logits_rows):
-    """Transformer.forward without its host-side checks (CompiledStep.run does them):
-    input_ids [1, T], positions [1, T], logits_rows [S] -> logits [S, V]."""
-    cos, sin = model.rope(positions)                         # [1, T, 1, D] each
-    x = model.embed_tokens(input_ids)                        # [1, T, C]
-    for layer in model.layers:
-        x = layer(x, cos, sin, _OPAQUE)
-    return model.lm_head(model.norm(x[:, logits_rows]))[0]         # [S, V]
+    """Transformer.forward without its host-side checks (CompiledStep.run does them), through
+    the opaque ops: input_ids [1, T], positions [1, T], logits_rows [S] -> logits [S, V]."""
+    return decode_forward(model, input_ids, positions, _OPAQUE, logits_rows)
 
 
 @functools.lru_cache(maxsize=None)

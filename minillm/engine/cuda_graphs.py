@@ -77,15 +77,19 @@ class NoGraphs:
         return None
 
 
-def decode_forward(model, input_ids, positions, cache) -> torch.Tensor:
-    """`Transformer.forward` for a decode step without its host-side position check (done by
-    the caller): input_ids [1, B], positions [1, B] -> logits [B, V]."""
-    cos, sin = model.rope(positions)                       # [1, B, 1, D] each
-    x = model.embed_tokens(input_ids)                      # [1, B, C]
+def decode_forward(model, input_ids, positions, cache, logits_rows=None) -> torch.Tensor:
+    """`Transformer.forward` for one ragged row of T tokens without its host-side position
+    check (done by the caller): input_ids [1, T], positions [1, T] -> logits [T, V], or [S, V]
+    for the S rows in logits_rows. The recorded forward of a CUDA graph, and the traced one of
+    the compiled step (compiled.py)."""
+    cos, sin = model.rope(positions)                       # [1, T, 1, D] each
+    x = model.embed_tokens(input_ids)                      # [1, T, C]
     for layer in model.layers:
         x = layer(x, cos, sin, cache)
     cache.advance(input_ids.shape[1])
-    return model.lm_head(model.norm(x))[0]                 # [B, V]
+    if logits_rows is not None:
+        x = x[:, logits_rows]                              # [1, S, C]
+    return model.lm_head(model.norm(x))[0]                 # [T or S, V]
 
 
 def cuda_graph_capture(fn: Callable[[], torch.Tensor], pool) -> tuple:
