@@ -168,7 +168,8 @@ class whole_compiled:
 
 def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tokens: int,
                 whole: bool = False):
-    from minillm.lab.profiling import GEMM_OPS, decode_engine, profile_steps, time_steps
+    from minillm.lab.profiling import (GEMM_OPS, decode_engine, profile_steps, time_outside_gemms,
+                                       time_steps)
 
     piecewise = None if whole else piecewise_compiled()
     rows = []
@@ -183,15 +184,21 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
                 t0 = time.perf_counter()
                 engine.step()                                   # compiles this shape
                 row["first_compiled_step_s"] = round(time.perf_counter() - t0, 2)
-            eager, compiled = [], []
+            eager, compiled, eager_out, compiled_out = [], [], [], []
             for _ in range(rounds):                             # alternate, one engine
-                eager.append(time_steps(engine, steps))
+                ms, out = time_outside_gemms(engine, steps)
+                eager.append(ms), eager_out.append(out)
                 with comp:
-                    compiled.append(time_steps(engine, steps))
+                    ms, out = time_outside_gemms(engine, steps)
+                compiled.append(ms), compiled_out.append(out)
             row["eager_step_ms"] = round(statistics.median(eager), 2)
             row["compiled_step_ms"] = round(statistics.median(compiled), 2)
             row["eager_rounds_ms"] = [round(t, 2) for t in eager]
             row["compiled_rounds_ms"] = [round(t, 2) for t in compiled]
+            # time outside the products by a clock on their calls (lab.profiling.gemm_calls)
+            row["eager_outside_gemm_ms"] = round(statistics.median(eager_out), 2)
+            row["compiled_outside_gemm_ms"] = round(statistics.median(compiled_out), 2)
+            row["compiled_outside_gemm_rounds_ms"] = [round(t, 2) for t in compiled_out]
             prof = profile_steps(engine, steps)
             with comp:
                 cprof = profile_steps(engine, steps)

@@ -71,6 +71,31 @@ def test_compiled_step_under_speculation_and_preemption(kw):
 
 
 @needs_cxx
+def test_decode_steps_trace_their_attention_and_write_the_real_pool():
+    """Decode-only steps run the graph with attention traced (compiled_decode: the pools are
+    graph inputs written in place): the same tokens as sequential generation, and the same KV
+    in the pools as the eager engine's, block for block. An fp8 pool keeps the opaque op."""
+    model = tiny()
+    prompts, max_tokens = workload(6, seed=5)
+    kw = dict(num_kv_blocks=200, block_size=4, max_num_seqs=4)
+    eager = LLMEngine(model, None, **kw)
+    engine = LLMEngine(model, None, enforce_eager=False, **kw)
+    step = engine.runner.graphs
+    assert step.traced_attention
+    traced, real = [], step.decode_fn
+    step.decode_fn = lambda *a: (traced.append(a[6].shape[0]), real(*a))[1]   # a[6]: slots
+    want = sequential(model, prompts, max_tokens)
+    assert run_engine(engine, prompts, max_tokens) == want == run_engine(eager, prompts,
+                                                                         max_tokens)
+    assert max(traced) > 1 and min(traced) == 1          # one and several sequences decoding
+    for pool in ("k", "v"):
+        torch.testing.assert_close(getattr(engine.runner.cache, pool),
+                                   getattr(eager.runner.cache, pool), rtol=1e-4, atol=1e-5)
+    fp8 = LLMEngine(model, None, enforce_eager=False, kv_cache_dtype="fp8", **kw)
+    assert not fp8.runner.graphs.traced_attention
+
+
+@needs_cxx
 def test_two_engines_in_two_threads_keep_their_own_caches():
     """The forward context is per thread: two compiled engines stepping at the same time in
     two threads each attend to their own KV cache."""

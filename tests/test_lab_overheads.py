@@ -4,8 +4,8 @@ import torch
 
 from minillm.configs import ModelConfig
 from minillm.lab import overlap
-from minillm.lab.profiling import (GEMM_OPS, decode_engine, op_table, profile_steps,
-                                   skeleton_config, step_parts)
+from minillm.lab.profiling import (GEMM_OPS, decode_engine, gemm_calls, op_table, profile_steps,
+                                   skeleton_config, step_parts, time_outside_gemms)
 from minillm.loader import random_model
 
 CFG = ModelConfig(name="tiny", vocab_size=97, hidden_size=32, intermediate_size=64, num_layers=3,
@@ -28,6 +28,19 @@ def test_profile_counts_four_products_per_layer_and_the_lm_head(batch):
     assert sum(calls.get(op, 0) for op in GEMM_OPS) == 4 * CFG.num_layers + 1
     assert prof.ops_per_step > 4 * CFG.num_layers and prof.gemm_ms > 0
     assert "torch ops per step" in op_table(prof)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])   # skinny swap / tuned / packed products
+def test_gemm_calls_clocks_every_product_and_puts_the_calls_back(batch):
+    engine = decode_engine(random_model(CFG, device="cpu"), batch=batch, context=20,
+                           max_new_tokens=50)
+    saved = torch.mm, torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
+    with gemm_calls() as g:
+        engine.step()
+    assert g.calls == 4 * CFG.num_layers + 1 and g.seconds > 0
+    assert (torch.mm, torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise) == saved
+    step_ms, outside_ms = time_outside_gemms(engine, steps=3)
+    assert 0 < outside_ms < step_ms
 
 
 def test_step_parts_counts_every_step_and_puts_the_methods_back():

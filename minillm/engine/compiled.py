@@ -18,7 +18,16 @@ loops. Two things it must not trace into:
 
 So the whole forward is one graph: embedding, rope lookup, 30 x (norm, [product], rope,
 [attention], [product], residual, norm, [product], SiLU * up, [product], residual), norm,
-[lm_head], with the bracketed ops opaque and everything between them fused. Shapes are
+[lm_head], with the bracketed ops opaque and everything between them fused.
+
+**A decode-only step traces its attention too** (`compiled_decode`, `_TracedDecodeCache`):
+every sequence brings one query, so the step's attention is a gather and two small products
+the compiler can generate: each layer writes its K/V into the pools (`index_copy_` into a
+graph input, which the compiler keeps in place), gathers each sequence's keys through a
+[B, L] table of slots made once per step (`decode_keys`), and masks the slots past each
+sequence's end. Its per-layer Python (the opaque call, the cache's plan, the checks) is gone;
+on the course's Xeon the batch-1 step's time outside its products fell by about a third
+(chapter 12). Prefill chunks, verification steps and fp8 pools keep the opaque op. Shapes are
 dynamic: a step of any number of tokens reuses a graph, except that Inductor specialises the
 size 1, so a step that samples one row and one that samples several get a graph each (and a
 one-token step its own). The first step of each shape pays the compile, tens of seconds on 2
@@ -53,6 +62,7 @@ from typing import Optional
 
 import torch
 
+from ..cache.paged import PagedKVCache
 from .cuda_graphs import decode_forward
 
 logger = logging.getLogger(__name__)
@@ -138,10 +148,77 @@ def compiled_products(model) -> int:
 _OPAQUE = _OpaqueCache()
 
 
+class _TracedDecodeCache:
+    """What the traced layers see as their cache in a decode-only step: paged attention in
+    plain tensor ops that the compiler traces and fuses, no opaque call. Each layer writes its
+    tokens' K/V into the pools with `index_copy_` and gathers every key through `key_slots`.
+
+    The pools are the cache's own tensors, flattened to [layers * slots, KVH, D] and written
+    whole (layer l's slot s is row l * slots + s): the compiler turns a write into a graph
+    input into an in-place write. (Written through a per-layer view, the same code makes the
+    compiler copy the layer's whole pool every step: 60 copies of a pool per step.)
+
+    q [1, B, H, D], k/v [1, B, KVH, D] -> [1, B, H, D]; slots [B] where each token's K/V goes,
+    key_slots [B, L] where each sequence's keys are, visible [B, L] which of them are real."""
+
+    def __init__(self, k_pool, v_pool, slots, key_slots, visible, num_layers: int,
+                 scale: float):
+        self.k_pool, self.v_pool, self.slots = k_pool, v_pool, slots
+        self.key_slots, self.visible, self.scale = key_slots, visible, scale
+        self.layer_rows = k_pool.shape[0] // num_layers            # slots per layer
+
+    def attend(self, layer: int, q, k, v):
+        B, L = self.key_slots.shape
+        KVH, D = k.shape[2], k.shape[3]
+        base = layer * self.layer_rows                           # this layer's row 0
+        self.k_pool.index_copy_(0, self.slots + base, k[0])
+        self.v_pool.index_copy_(0, self.slots + base, v[0])
+        rows = self.key_slots.flatten() + base
+        keys = self.k_pool.index_select(0, rows).view(B, L, KVH, D).float()
+        values = self.v_pool.index_select(0, rows).view(B, L, KVH, D).float()
+        qg = q[0].view(B, KVH, -1, D).float()                    # head folding: [B, KVH, G, D]
+        s = torch.einsum("bkgd,blkd->bkgl", qg, keys) * self.scale          # [B, KVH, G, L]
+        s = s.masked_fill(~self.visible[:, None, None, :], float("-inf"))
+        o = torch.einsum("bkgl,blkd->bkgd", s.softmax(-1), values)          # [B, KVH, G, D]
+        return o.reshape(q.shape).to(q.dtype)                               # [1, B, H, D]
+
+    def advance(self, num_tokens: int) -> None:
+        pass
+
+
+def decode_keys(meta, block_size: int):
+    """Where each sequence of a decode step finds its keys in a layer's pool: key_slots [B, L]
+    (L the longest sequence; slots past a sequence's end repeat its first, real and finite)
+    and visible [B, L]."""
+    lens = meta.seq_lens.long()                                              # [B]
+    L = int(lens.max())
+    j = torch.arange(L, device=lens.device)                                  # [L]
+    used = meta.block_tables[:, :-(-L // block_size)].long()                 # [B, blocks]
+    slots = used[:, j // block_size] * block_size + j % block_size           # [B, L]
+    visible = j[None, :] < lens[:, None]
+    return torch.where(visible, slots, slots[:, :1]), visible
+
+
 def _forward(model, input_ids, positions, logits_rows):
     """Transformer.forward without its host-side checks (CompiledStep.run does them), through
     the opaque ops: input_ids [1, T], positions [1, T], logits_rows [S] -> logits [S, V]."""
     return decode_forward(model, input_ids, positions, _OPAQUE, logits_rows)
+
+
+def _decode(model, input_ids, positions, logits_rows, k_pool, v_pool, slots, key_slots,
+            visible):
+    """A decode-only step with its attention traced (_TracedDecodeCache): the arguments of
+    `_forward`, then the cache's pools flattened and the step's slots, key_slots, visible."""
+    cfg = model.config
+    cache = _TracedDecodeCache(k_pool, v_pool, slots, key_slots, visible, cfg.num_layers,
+                               cfg.head_dim ** -0.5)
+    return decode_forward(model, input_ids, positions, cache, logits_rows)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_decode():
+    """`_decode` compiled, made once per process (as compiled_forward)."""
+    return torch.compile(_decode, dynamic=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,6 +240,12 @@ class CompiledStep:
         self.disabled: Optional[str] = None                  # why steps run eagerly now
         compiled_products(model)
         self.fn = compiled_forward()
+        self.decode_fn = compiled_decode()
+        kv = cache.k.shape[-2:]
+        self.pools = cache.k.view(-1, *kv), cache.v.view(-1, *kv)    # [layers * slots, KVH, D]
+        # traced attention needs a pool in the model's dtype, unscaled (no fp8 here)
+        self.traced_attention = (type(cache) is PagedKVCache and cache.k.dtype == model.dtype
+                                 and cache.k_scale == cache.v_scale == 1.0)
 
     def run(self, step, scheduled) -> Optional[torch.Tensor]:
         if self.disabled is not None:
@@ -173,10 +256,14 @@ class CompiledStep:
         if int(meta.positions.max()) >= self.limit:
             return None                                      # the eager forward says why
         self.cache.set_step(meta)
+        args = (self.model, step.input_ids, meta.positions[None], step.logits_rows)
         try:
             with forward_context(self.model, self.cache):
-                logits = self.fn(self.model, step.input_ids, meta.positions[None],
-                                 step.logits_rows)
+                if self._traced_decode(meta):
+                    logits = self.decode_fn(*args, *self.pools, meta.slot_mapping,
+                                            *decode_keys(meta, self.cache.block_size))
+                else:
+                    logits = self.fn(*args)
         except Exception as e:                  # noqa: BLE001 - a compiler failure: go eager
             if not _is_compiler_failure(e):
                 raise
@@ -185,6 +272,12 @@ class CompiledStep:
             return None
         self.cache.advance(meta.num_tokens)
         return logits
+
+    def _traced_decode(self, meta) -> bool:
+        """Whether this step's attention is traced (every sequence decodes one token whose
+        slot is real) rather than the opaque op's."""
+        return (self.traced_attention and meta.is_decode_only
+                and bool((meta.slot_mapping >= 0).all()))
 
 
 def _is_compiler_failure(e: Exception) -> bool:

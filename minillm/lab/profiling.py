@@ -7,6 +7,8 @@ and everything else.
     op_table(prof)                                        # the heaviest ops, per step
     skeleton_config(model.config)                         # the same step, arithmetic taken away
     with step_parts(engine) as parts: ...                 # forward / drafting / the rest, per step
+    time_outside_gemms(engine, steps=10)                  # a clock on the products: (step ms,
+                                                          # ms outside them), compiled steps too
 
 `step_ms` is the wall time of a step measured WITHOUT the profiler (it adds a few microseconds
 to every op); `gemm_ms` is the profiler's self time of the matrix products (`GEMM_OPS`), and
@@ -87,6 +89,63 @@ def time_steps(engine: LLMEngine, steps: int) -> float:
         engine.step()
         times.append(time.perf_counter() - t0)
     return 1e3 * sorted(times)[len(times) // 2]
+
+
+class gemm_calls:
+    """A clock on the products, not a profiler: within it, the wall time spent inside the
+    library calls that multiply by the weights (torch.mm, torch.addmm, F.linear, and
+    minillm.model.Linear's packed `mkldnn._linear_pointwise` / `mkl._mkl_linear`) is summed
+    into `seconds`, their number into `calls`. A step's time minus it is the time outside
+    the products, whatever ran the rest: eager ops, a compiled graph's fused kernels (the
+    profiler charges those a record each, so it is no clock for a compiled step), Python.
+    fp32 / bf16 models (the int8 / int4 kernels are not timed); not thread-safe.
+
+        with gemm_calls() as g:
+            engine.step()
+        g.seconds, g.calls            # what the step spent in its products, and how many
+        time_outside_gemms(engine, steps=10)   # (median step ms, median ms outside products)
+    """
+
+    def __init__(self):
+        import torch
+        import torch.nn.functional as F
+        self.seconds, self.calls = 0.0, 0
+        self._sites = [(torch, "mm"), (torch, "addmm"), (F, "linear"),
+                       (torch.ops.mkldnn, "_linear_pointwise"), (torch.ops.mkl, "_mkl_linear")]
+
+    def _timed(self, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+    def __enter__(self):
+        self._saved = [getattr(obj, name) for obj, name in self._sites]
+        for (obj, name), fn in zip(self._sites, self._saved):
+            setattr(obj, name, self._timed(fn))
+        return self
+
+    def __exit__(self, *exc):
+        for (obj, name), fn in zip(self._sites, self._saved):
+            setattr(obj, name, fn)
+
+
+def time_outside_gemms(engine: LLMEngine, steps: int) -> tuple:
+    """(median wall time of a step, median of its time outside the products), ms, over
+    `steps` engine steps timed with `gemm_calls`."""
+    walls, outside = [], []
+    with gemm_calls() as g:
+        for _ in range(steps):
+            before = g.seconds
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+            outside.append(walls[-1] - (g.seconds - before))
+    return tuple(1e3 * sorted(x)[len(x) // 2] for x in (walls, outside))
 
 
 class step_parts:
