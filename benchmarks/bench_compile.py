@@ -30,8 +30,12 @@ the compiled step, and whether eager and compiled decoding give the same greedy 
     python benchmarks/bench_compile.py --engine --batch 1 16 --out benchmarks/results/x.json
 
 `--engine --whole` compiles the engine's way instead (`LLM(enforce_eager=False)` on a CPU,
-minillm/engine/compiled.py): the whole forward one graph, attention and the products opaque
-ops, so nothing splits it; `--dtype bfloat16` for a bf16 model.
+minillm/engine/compiled.py): the whole forward one graph, the products opaque ops, attention
+traced in decode steps, so nothing splits it; `--dtype bfloat16` for a bf16 model. Its rounds
+add a third system, the same graph with attention the opaque op again (`traced_attention`
+off). Every round also clocks the products' calls (`lab.profiling.gemm_calls`): the record's
+`*_outside_gemm_ms` is a step's time outside them, the profiler's split being no clock for a
+compiled step.
 """
 from __future__ import annotations
 
@@ -150,7 +154,7 @@ class piecewise_compiled:
 
 class whole_compiled:
     """Within this context `engine` runs every step that samples through one torch.compile'd
-    graph of the whole forward, attention and products opaque: the engine's own
+    graph of the whole forward, the products opaque: the engine's own
     enforce_eager=False path on a CPU (minillm/engine/compiled.py), swapped in and out."""
 
     def __init__(self, engine):
@@ -184,13 +188,21 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
                 t0 = time.perf_counter()
                 engine.step()                                   # compiles this shape
                 row["first_compiled_step_s"] = round(time.perf_counter() - t0, 2)
-            eager, compiled, eager_out, compiled_out = [], [], [], []
+                if whole:                                       # and the opaque-attention one
+                    comp.compiled.traced_attention = False
+                    engine.step()
+                    comp.compiled.traced_attention = True
+            eager, compiled, eager_out, compiled_out, opaque = [], [], [], [], []
             for _ in range(rounds):                             # alternate, one engine
                 ms, out = time_outside_gemms(engine, steps)
                 eager.append(ms), eager_out.append(out)
                 with comp:
                     ms, out = time_outside_gemms(engine, steps)
-                compiled.append(ms), compiled_out.append(out)
+                    compiled.append(ms), compiled_out.append(out)
+                    if whole:                 # the same graph, attention the opaque op again
+                        comp.compiled.traced_attention = False
+                        opaque.append(time_outside_gemms(engine, steps))
+                        comp.compiled.traced_attention = True
             row["eager_step_ms"] = round(statistics.median(eager), 2)
             row["compiled_step_ms"] = round(statistics.median(compiled), 2)
             row["eager_rounds_ms"] = [round(t, 2) for t in eager]
@@ -199,10 +211,17 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
             row["eager_outside_gemm_ms"] = round(statistics.median(eager_out), 2)
             row["compiled_outside_gemm_ms"] = round(statistics.median(compiled_out), 2)
             row["compiled_outside_gemm_rounds_ms"] = [round(t, 2) for t in compiled_out]
+            if whole:
+                row["opaque_attention_step_ms"] = round(statistics.median(o[0] for o in opaque), 2)
+                row["opaque_attention_outside_gemm_ms"] = round(
+                    statistics.median(o[1] for o in opaque), 2)
+                row["opaque_attention_outside_gemm_rounds_ms"] = [round(o[1], 2) for o in opaque]
             prof = profile_steps(engine, steps)
             with comp:
                 cprof = profile_steps(engine, steps)
-            gemms = [sum(c for n, c, _ in pr.rows if n in GEMM_OPS) for pr in (prof, cprof)]
+            # the products (a traced decode attention adds two aten::bmm a layer: not products)
+            gemms = [sum(c for n, c, _ in pr.rows if n in GEMM_OPS and n != "aten::bmm")
+                     for pr in (prof, cprof)]
             if gemms[0] != gemms[1]:      # the runner retries a failed batch request by request
                 raise RuntimeError(f"{gemms[1]:.0f} products per compiled step, {gemms[0]:.0f} "
                                    "eager: the compiled batched forward failed and the engine "
@@ -271,7 +290,8 @@ def main(argv=None):
         rows = engine_rows(model, args.batch, args.context, args.steps, args.rounds,
                            args.check_tokens, whole=args.whole)
         what = ("decode steps in the engine, the whole forward one torch.compile'd graph "
-                "(default mode, dynamic shapes), paged attention and the products opaque ops"
+                "(default mode, dynamic shapes), the products opaque ops, paged attention traced "
+                "(opaque_attention_*: the same graph with attention an opaque op)"
                 if args.whole else
                 "decode steps in the engine, each layer's two halves torch.compile'd "
                 "(default mode, static shapes), paged attention eager between them")

@@ -26,8 +26,9 @@ the compiler can generate: each layer writes its K/V into the pools (`index_copy
 graph input, which the compiler keeps in place), gathers each sequence's keys through a
 [B, L] table of slots made once per step (`decode_keys`), and masks the slots past each
 sequence's end. Its per-layer Python (the opaque call, the cache's plan, the checks) is gone;
-on the course's Xeon the batch-1 step's time outside its products fell by about a third
-(chapter 12). Prefill chunks, verification steps and fp8 pools keep the opaque op. Shapes are
+what that buys, against the same graph with the opaque op, is measured by
+`bench_compile.py --engine --whole` (chapter 12). Prefill chunks, verification steps and fp8
+pools keep the opaque op. Shapes are
 dynamic: a step of any number of tokens reuses a graph, except that Inductor specialises the
 size 1, so a step that samples one row and one that samples several get a graph each (and a
 one-token step its own). The first step of each shape pays the compile, tens of seconds on 2
