@@ -28,11 +28,12 @@ graph input, which the compiler keeps in place), gathers each sequence's keys th
 sequence's end. Its per-layer Python (the opaque call, the cache's plan, the checks) is gone;
 what that buys, against the same graph with the opaque op, is measured by
 `bench_compile.py --engine --whole` (chapter 12). Prefill chunks, verification steps and fp8
-pools keep the opaque op. Shapes are
-dynamic: a step of any number of tokens reuses a graph, except that Inductor specialises the
-size 1, so a step that samples one row and one that samples several get a graph each (and a
-one-token step its own). The first step of each shape pays the compile, tens of seconds on 2
-cores: an engine that lives long amortises it, a short script does not.
+pools keep the opaque op.
+
+Shapes are dynamic: a step of any number of tokens reuses a graph, except that Inductor
+specialises the size 1, so a step that samples one row and one that samples several get a
+graph each (and a one-token step its own). The first step of each shape pays the compile, tens
+of seconds on 2 cores: an engine that lives long amortises it, a short script does not.
 
 **A step that samples nothing** (a middle chunk of a long prompt) runs eagerly. Its graph would
 end in an empty tensor, and the compiler, told that attention is a function of its inputs with
@@ -157,7 +158,7 @@ class _TracedDecodeCache:
     The pools are the cache's own tensors, flattened to [layers * slots, KVH, D] and written
     whole (layer l's slot s is row l * slots + s): the compiler turns a write into a graph
     input into an in-place write. (Written through a per-layer view, the same code makes the
-    compiler copy the layer's whole pool every step: 60 copies of a pool per step.)
+    compiler copy each layer's pool before writing into it: 60 pool copies a step.)
 
     q [1, B, H, D], k/v [1, B, KVH, D] -> [1, B, H, D]; slots [B] where each token's K/V goes,
     key_slots [B, L] where each sequence's keys are, visible [B, L] which of them are real."""

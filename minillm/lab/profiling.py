@@ -98,7 +98,10 @@ class gemm_calls:
     into `seconds`, their number into `calls`. A step's time minus it is the time outside
     the products, whatever ran the rest: eager ops, a compiled graph's fused kernels (the
     profiler charges those a record each, so it is no clock for a compiled step), Python.
-    fp32 / bf16 models (the int8 / int4 kernels are not timed); not thread-safe.
+    fp32 / bf16 models (the int8 / int4 kernels are not timed); not thread-safe. Enter it
+    after the step has compiled, if it compiles: the compiler tabulates these functions when it
+    is first imported, and a graph that calls one guards on it (bench_compile.py times compiled
+    steps whose products are opaque ops, so their graphs never see the wrappers).
 
         with gemm_calls() as g:
             engine.step()
