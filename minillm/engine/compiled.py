@@ -24,9 +24,9 @@ So the whole forward is one graph: embedding, rope lookup, 30 x (norm, [product]
 every sequence brings one query, so the step's attention is a gather and two small products
 the compiler can generate: each layer writes its K/V into the pools (`index_copy_` into a
 graph input, which the compiler keeps in place), gathers each sequence's keys through a
-[B, L] table of slots made once per step (`decode_keys`), and masks the slots past each
-sequence's end. Its per-layer Python (the opaque call, the cache's plan, the checks) is gone;
-what that buys, against the same graph with the opaque op, is measured by
+[B, L] table of slots made once per step (`kernels.batched.slot_table`), and masks the
+slots past each sequence's end. Its per-layer Python (the opaque call, the cache's plan, the
+checks) is gone; what that buys, against the same graph with the opaque op, is measured by
 `bench_compile.py --engine --whole` (chapter 12). Prefill chunks, verification steps and fp8
 pools keep the opaque op.
 
@@ -65,6 +65,7 @@ from typing import Optional
 import torch
 
 from ..cache.paged import PagedKVCache
+from ..kernels.batched import slot_table
 from .cuda_graphs import decode_forward
 
 logger = logging.getLogger(__name__)
@@ -188,19 +189,6 @@ class _TracedDecodeCache:
         pass
 
 
-def decode_keys(meta, block_size: int):
-    """Where each sequence of a decode step finds its keys in a layer's pool: key_slots [B, L]
-    (L the longest sequence; slots past a sequence's end repeat its first, real and finite)
-    and visible [B, L]."""
-    lens = meta.seq_lens.long()                                              # [B]
-    L = int(lens.max())
-    j = torch.arange(L, device=lens.device)                                  # [L]
-    used = meta.block_tables[:, :-(-L // block_size)].long()                 # [B, blocks]
-    slots = used[:, j // block_size] * block_size + j % block_size           # [B, L]
-    visible = j[None, :] < lens[:, None]
-    return torch.where(visible, slots, slots[:, :1]), visible
-
-
 def _forward(model, input_ids, positions, logits_rows):
     """Transformer.forward without its host-side checks (CompiledStep.run does them), through
     the opaque ops: input_ids [1, T], positions [1, T], logits_rows [S] -> logits [S, V]."""
@@ -263,7 +251,8 @@ class CompiledStep:
             with forward_context(self.model, self.cache):
                 if self._traced_decode(meta):
                     logits = self.decode_fn(*args, *self.pools, meta.slot_mapping,
-                                            *decode_keys(meta, self.cache.block_size))
+                                            *slot_table(meta.block_tables, meta.seq_lens,
+                                                       self.cache.block_size))
                 else:
                     logits = self.fn(*args)
         except Exception as e:                  # noqa: BLE001 - a compiler failure: go eager

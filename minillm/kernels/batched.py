@@ -61,22 +61,31 @@ class Plan:
     keep: Optional[torch.Tensor] = None       # [T] rows to store (None: every row)
 
 
-def _key_slots(block_tables, seq_lens, block_size):
+def slot_table(block_tables, seq_lens, block_size: int):
     """Where each sequence's keys are in the flat pool [num_blocks * block_size, KVH, D]:
-    a slice when there is one sequence and its blocks are consecutive, else the slots
-    [G, L] (L = the longest sequence). Keys past a sequence's end point at its key 0: real,
-    finite values (the rest of a block may hold anything an earlier owner left, even NaN)
-    that the mask hides."""
+    slots [G, L] (L = the longest sequence) and visible [G, L] (key j < seq_len). Keys past a
+    sequence's end point at its key 0: real, finite values (the rest of a block may hold
+    anything an earlier owner left, even NaN) that the mask hides. The compiled decode step
+    (engine/compiled.py) gathers through it too."""
+    lens = seq_lens.long()                                            # [G]
+    L = int(lens.max())
+    j = torch.arange(L, device=seq_lens.device)                       # [L]
+    used = block_tables[:, :-(-L // block_size)].long()               # [G, blocks]
+    slots = used[:, j // block_size] * block_size + j % block_size    # [G, L]
+    visible = j[None, :] < lens[:, None]                              # [G, L]
+    return torch.where(visible, slots, slots[:, :1]), visible
+
+
+def _key_slots(block_tables, seq_lens, block_size):
+    """slot_table's slots, or a slice of the flat pool when there is one sequence and its
+    blocks are consecutive (a view, no copy); with L and whether the lengths differ."""
     lens = seq_lens.tolist()                                          # host ints (CPU path)
     L = max(lens)
     used = block_tables[:, :-(-L // block_size)].long()               # [G, blocks]
     if len(lens) == 1 and (used.numel() == 1 or bool((used.diff(dim=1) == 1).all())):
         start = int(used[0, 0]) * block_size
         return slice(start, start + L), L, False
-    j = torch.arange(L, device=seq_lens.device)                       # [L]
-    slots = used[:, j // block_size] * block_size + j % block_size    # [G, L]
-    outside = j[None, :] >= seq_lens.long()[:, None]                  # [G, L]
-    return torch.where(outside, slots[:, :1], slots), L, min(lens) < L
+    return slot_table(block_tables, seq_lens, block_size)[0], L, min(lens) < L
 
 
 def _make_group(block_tables, seq_lens, q_index, positions, valid, block_size) -> Group:
