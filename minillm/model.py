@@ -211,16 +211,20 @@ class Linear(nn.Linear):
                                                              # "packed"
     opaque_name = None                                       # what a compiled step calls
                                                              # this layer (engine/compiled.py)
+    TRACED = True                                            # a compiled step traces this
+                                                             # forward (False: one opaque call)
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
-        if torch.compiler.is_compiling() and self.opaque_name is not None:   # a compiled step:
+        if torch.compiler.is_compiling() and self.opaque_name is not None and not self.TRACED:
             return torch.ops.minillm.product(x, self.opaque_name)     # engine/compiled.py
         w = self.weight
         if (x.device.type != "cpu" or x.dtype != w.dtype
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return F.linear(x, w, self.bias)                 # a GPU, or autograd records it
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if w.dtype == torch.float32 and rows in self.SKINNY_ROWS and self.skinny != "packed":
+        # (bounds, not `rows in range(...)`: traced, the row count is a symbol, which compares)
+        if (w.dtype == torch.float32 and self.skinny != "packed"
+                and self.SKINNY_ROWS.start <= rows < self.SKINNY_ROWS.stop):
             if self.skinny == "linear":
                 return F.linear(x, w, self.bias)
             flat = x.reshape(rows, x.shape[-1])              # [M, K]
@@ -231,14 +235,19 @@ class Linear(nn.Linear):
             else:
                 out = torch.addmm(self.bias[:, None], w, flat.t())
             return out[:, :rows].t().contiguous().view(*x.shape[:-1], self.out_features)
-        if w.dtype == torch.float32 and rows in self.FEW_ROWS and self.few == "linear":
+        if (w.dtype == torch.float32 and self.few == "linear"
+                and self.FEW_ROWS.start <= rows < self.FEW_ROWS.stop):
             return F.linear(x, w, self.bias)
+        if torch.compiler.is_compiling():                    # a compiled step traces the paths
+            packed = getattr(self, "_packed", None)          # above, and calls this one as ONE
+            if packed is None:                               # op on the copy made beforehand
+                return F.linear(x, w, self.bias)             # (`prepack`; engine/compiled.py)
+            return torch.ops.minillm.packed_product(x, packed, w, self.bias,
+                                                    self._packed_for == "mkl")
         packed = self.prepacked() if self.PREPACK else None
         if packed is None:
             return F.linear(x, w, self.bias)
-        if self.__dict__["_packed_for"] == "mkl":          # M = rows: computed on the copy
-            return torch.ops.mkl._mkl_linear(x, packed, w, self.bias, rows)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        return packed_product(x, packed, w, self.bias, self.__dict__["_packed_for"] == "mkl")
 
     # the packed copy, the weight (and library choice) it came from, the library that reads it
     _PACKED_STATE = ("_packed", "_packed_key", "_packed_for")
@@ -273,6 +282,29 @@ class Linear(nn.Linear):
             self.__dict__["_packed_key"] = key
             self.__dict__["_packed_for"], self.__dict__["_packed"] = _prepack(w.detach(), mkl)
         return self.__dict__["_packed"]
+
+
+def packed_product(x, packed, w, bias=None, mkl: bool = False):
+    """x [..., K] times `w` [N, K] on its packed copy (`Linear.prepacked`) -> [..., N]: oneDNN's
+    product on its blocked layout, or (`mkl`) MKL's packed sgemm, which needs the row count."""
+    if mkl:
+        return torch.ops.mkl._mkl_linear(x, packed, w, bias, x.numel() // x.shape[-1])
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# `minillm::packed_product`: packed_product as an op a compiled graph calls (the packed copy an
+# input of the graph, fetched from the layer at every call). Inductor lowers the libraries'
+# own packed ops only on weights frozen into the graph, one graph per model; this op it calls
+# as it is. Its kernel is the lambda below: no custom_op wrapper, no layer's forward.
+_OPS = torch.library.Library("minillm", "FRAGMENT")
+_OPS.define("packed_product(Tensor x, Tensor packed, Tensor w, Tensor? bias, bool mkl) -> Tensor")
+_OPS.impl("packed_product", lambda x, packed, w, bias, mkl: packed_product(x, packed, w, bias, mkl),
+          "CompositeExplicitAutograd")          # (any backend: oneDNN's copy is MkldnnCPU)
+
+
+@torch.library.register_fake("minillm::packed_product")
+def _(x, packed, w, bias, mkl):
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def prepack(model) -> int:

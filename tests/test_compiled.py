@@ -16,11 +16,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
+import minillm.model
 from minillm import SamplingParams
 from minillm.engine import compiled
 from minillm.engine.compiled import CompiledStep
 from minillm.engine.llm_engine import LLMEngine
-from minillm.model import fused_causal_attention
+from minillm.lab.profiling import decode_engine, gemm_calls, time_outside_gemms
+from minillm.model import fused_causal_attention, prepack
 from minillm.quant import quantize_model
 from test_cuda_graphs import counting, run_engine, sequential, tiny, workload
 
@@ -96,6 +98,45 @@ def test_decode_steps_trace_their_attention_and_write_the_real_pool():
 
 
 @needs_cxx
+def test_a_weight_changed_after_compiling_is_the_one_multiplied():
+    """The graphs read each layer's packed copy at every call: a weight updated in place under
+    a compiled engine (a load, a fine-tuning step) gets its copy made again before the next
+    step, and the engine's tokens follow the new weights, as the eager engine's do."""
+    model = tiny()
+    prompts, max_tokens = workload(6, seed=3)
+    others, other_max = workload(6, seed=4)       # (new prompts: no KV cached from old weights)
+    kw = dict(num_kv_blocks=200, block_size=4, max_num_seqs=4)
+    engine = LLMEngine(model, None, enforce_eager=False, **kw)
+    run_engine(engine, prompts, max_tokens)                          # compiles, every size
+    assert engine.runner.graphs.packed and engine.runner.graphs.disabled is None
+    unchanged = run_engine(LLMEngine(model, None, **kw), others, other_max)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mlp.down_proj.weight.mul_(-3.0)
+    got = run_engine(engine, others, other_max)
+    assert got == run_engine(LLMEngine(model, None, **kw), others, other_max)
+    assert got != unchanged                                           # the change mattered
+
+
+@needs_cxx
+@pytest.mark.parametrize("batch", [1, 4])
+def test_the_products_clock_sees_a_compiled_steps_products_without_recompiling(batch):
+    """gemm_calls(compiled=True) counts every product of a compiled decode step, traced into
+    the graph (1-2 rows here: the swapped product) or the packed op (4 rows), once each, and
+    entering it recompiles nothing."""
+    model = tiny()
+    engine = decode_engine(model, batch, context=10, max_new_tokens=40, enforce_eager=False)
+    engine.step(), engine.step()                                       # compiled
+    graphs = counters["stats"]["unique_graphs"]
+    with gemm_calls(compiled=True) as g:
+        engine.step()
+    assert g.calls == 4 * model.config.num_layers + 1 and g.seconds > 0
+    step_ms, outside_ms = time_outside_gemms(engine, steps=3, compiled=True)
+    assert 0 < outside_ms < step_ms
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_cxx
 def test_two_engines_in_two_threads_keep_their_own_caches():
     """The forward context is per thread: two compiled engines stepping at the same time in
     two threads each attend to their own KV cache."""
@@ -150,12 +191,14 @@ class PlainAttention:
 @needs_cxx
 def test_compiled_graph_logits_equal_the_eager_forward():
     """The compiled graph against Transformer.forward without a cache, at the rows asked for
-    (the fused glue rounds like the eager ops up to float rounding), with the products and
-    attention left opaque, and shared by a second model of the same shapes."""
+    (the fused glue rounds like the eager ops up to float rounding), with attention left
+    opaque and the packed products one library op each, and shared by a second model of the
+    same shapes, whose own packed weights it reads (inputs of the graph, not constants)."""
     model = tiny()
     ids = torch.tensor([[5, 9, 2, 7, 1, 3, 8]])
     rows = torch.tensor([2, 6])
     compiled.compiled_products(model)
+    prepack(model)
     with torch.inference_mode(), compiled.forward_context(model, PlainAttention()):
         fn = compiled.compiled_forward()
         fn(model, ids, torch.arange(7)[None], rows)                     # compiles
@@ -165,19 +208,44 @@ def test_compiled_graph_logits_equal_the_eager_forward():
     assert compiled._STEP.cache is None and compiled._STEP.model is None
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     calls = [e.name for e in prof.events()]
-    # the products and attention ran as the opaque ops, once per layer each, not traced through
-    assert calls.count("minillm::product") == 2 * 4 + 1
+    # attention ran as the opaque op, once per layer; the products of 7 rows on the packed
+    # copies as ONE op each; the lm_head's 2 rows took its skinny product, traced into the graph
+    assert model.lm_head.skinny != "packed"
+    assert calls.count("minillm::packed_product") == 2 * 4
+    assert calls.count("minillm::product") == 0
     assert calls.count("minillm::attention") == 2
     # another model of the same architecture reuses the graph: no compile per model (which
     # would also run into torch.compile's limit of graphs per function, then silently eager)
     other = tiny()
+    with torch.no_grad():                                  # other weights, the same shapes
+        for p in other.parameters():
+            p.mul_(torch.rand(p.shape, generator=torch.Generator().manual_seed(1)) + 0.5)
     compiled.compiled_products(other)
+    prepack(other)
     graphs = counters["stats"]["unique_graphs"]
     with torch.inference_mode(), compiled.forward_context(other, PlainAttention()):
         got = fn(other, ids, torch.arange(7)[None], rows)
         want = other(ids)[0, rows]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(want, model(ids)[0, rows], atol=1e-2)    # they differ indeed
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@needs_cxx
+@pytest.mark.skipif(not minillm.model.mkl_packs_here(), reason="this torch has no MKL")
+def test_products_packed_for_mkl_run_in_the_graph_too(monkeypatch):
+    """Weights packed for MKL's sgemm (the default on Intel CPUs) through the same op: the
+    compiled step's tokens equal the eager engine's."""
+    monkeypatch.setattr(minillm.model.Linear, "MKL", True)
+    model = tiny()
+    prompts, max_tokens = workload(5, seed=7)
+    kw = dict(num_kv_blocks=100, block_size=4, max_num_seqs=4)
+    engine = LLMEngine(model, None, enforce_eager=False, **kw)
+    assert {m._packed_for for m in engine.runner.graphs.packed} == {"mkl"}
+    ran = counting(engine.runner.graphs)
+    eager = run_engine(LLMEngine(model, None, **kw), prompts, max_tokens)
+    assert run_engine(engine, prompts, max_tokens) == eager and sum(ran) > 0
+    assert engine.runner.graphs.disabled is None
 
 
 @needs_cxx

@@ -11,14 +11,20 @@ loops. Two things it must not trace into:
   layer)`, whose eager body is the cache's own `attend`, reading the step's cache from a
   forward context set around the call. This is vLLM's shape: its `unified_attention` op finds
   the layer's cache in a forward context, and its compiler leaves the op alone;
-- **the products**, already on the fastest kernel this machine measured (`model.Linear`: a
-  weight prepacked once, a choice by row count made by timing; `quant.QuantLinear`'s packed
-  int8/int4 kernels): each becomes `minillm::product(x, name)`, whose body is the layer's own
-  eager forward. (Traced, they would lose the prepacked copies and their timing choices.)
+- **the library's packed products.** `model.Linear` multiplies on the fastest kernel this
+  machine measured: a weight prepacked once for oneDNN or MKL, or, for 1-3 rows, plain F.linear
+  or the swapped product, chosen by timing. The compiler traces that forward like any other
+  (the choice is made while tracing: the row count decides which graph), but a product on a
+  packed copy it cannot lower: its own lowering of those library ops wants the weight frozen
+  into the graph as a constant (`freezing`, one graph per model). So that product is ONE op,
+  `minillm::packed_product(x, packed, w, bias)` (model.py), with the packed copy an input of the
+  graph; the rest (the swapped product, F.linear) becomes plain library calls from the graph.
+  `quant.QuantLinear`'s int8/int4 kernels stay opaque whole: `minillm::product(x, name)`, whose
+  body is the layer's own eager forward (as every product was before: `Linear.TRACED = False`).
 
 So the whole forward is one graph: embedding, rope lookup, 30 x (norm, [product], rope,
 [attention], [product], residual, norm, [product], SiLU * up, [product], residual), norm,
-[lm_head], with the bracketed ops opaque and everything between them fused.
+[lm_head], with the bracketed ops library calls or opaque ops and everything between fused.
 
 **A decode-only step traces its attention too** (`compiled_decode`, `_TracedDecodeCache`):
 every sequence brings one query, so the step's attention is a gather and two small products
@@ -32,8 +38,10 @@ pools keep the opaque op.
 
 Shapes are dynamic: a step of any number of tokens reuses a graph, except that Inductor
 specialises the size 1, so a step that samples one row and one that samples several get a
-graph each (and a one-token step its own). The first step of each shape pays the compile, tens
-of seconds on 2 cores: an engine that lives long amortises it, a short script does not.
+graph each (and a one-token step its own), and the products' choice by row count (1-2 rows,
+3, more: `Linear.SKINNY_ROWS`, `FEW_ROWS`) is a guard, so a step of 2 or 3 tokens gets its own
+graph too. The first step of each shape pays the compile, tens of seconds on 2 cores: an
+engine that lives long amortises it, a short script does not.
 
 **A step that samples nothing** (a middle chunk of a long prompt) runs eagerly. Its graph would
 end in an empty tensor, and the compiler, told that attention is a function of its inputs with
@@ -133,8 +141,9 @@ class _OpaqueCache:
 
 def compiled_products(model) -> int:
     """Name each product layer of `model` (model.Linear, quant.QuantLinear) by its place, as
-    its `opaque_name`: while torch.compile traces the layer, its forward calls
-    `minillm::product(x, opaque_name)` instead of itself (never in eager mode). The layers keep
+    its `opaque_name`: while torch.compile traces a QuantLinear (or a Linear with
+    `Linear.TRACED` off), its forward calls `minillm::product(x, opaque_name)` instead of
+    itself (never in eager mode); a Linear is traced itself. The layers keep
     the name (a string: the model still pickles and copies); another torch.compile of them must
     then run inside `forward_context(model, ...)`, where the op finds them. Returns the number
     of layers."""
@@ -229,6 +238,10 @@ class CompiledStep:
         self.limit = model.config.max_position_embeddings
         self.disabled: Optional[str] = None                  # why steps run eagerly now
         compiled_products(model)
+        from ..model import Linear, prepack
+        prepack(model)                         # the packed copies the graphs read, made now
+        self.packed = [m for m in _PRODUCTS[model].values()
+                       if isinstance(m, Linear) and m.has_packed()]
         self.fn = compiled_forward()
         self.decode_fn = compiled_decode()
         kv = cache.k.shape[-2:]
@@ -245,7 +258,9 @@ class CompiledStep:
             return None
         if int(meta.positions.max()) >= self.limit:
             return None                                      # the eager forward says why
-        self.cache.set_step(meta)
+        for m in self.packed:                  # a weight changed since its copy was made (a
+            m.prepacked()                      # load, an in-place update): make it again, the
+        self.cache.set_step(meta)              # graph reads the layer's copy at every call
         args = (self.model, step.input_ids, meta.positions[None], step.logits_rows)
         try:
             with forward_context(self.model, self.cache):

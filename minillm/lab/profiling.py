@@ -93,15 +93,20 @@ def time_steps(engine: LLMEngine, steps: int) -> float:
 
 class gemm_calls:
     """A clock on the products, not a profiler: within it, the wall time spent inside the
-    library calls that multiply by the weights (torch.mm, torch.addmm, F.linear, and
-    minillm.model.Linear's packed `mkldnn._linear_pointwise` / `mkl._mkl_linear`) is summed
-    into `seconds`, their number into `calls`. A step's time minus it is the time outside
-    the products, whatever ran the rest: eager ops, a compiled graph's fused kernels (the
-    profiler charges those a record each, so it is no clock for a compiled step), Python.
-    fp32 / bf16 models (the int8 / int4 kernels are not timed); not thread-safe. Enter it
-    after the step has compiled, if it compiles: the compiler tabulates these functions when it
-    is first imported, and a graph that calls one guards on it (bench_compile.py times compiled
-    steps whose products are opaque ops, so their graphs never see the wrappers).
+    library calls that multiply by the weights is summed into `seconds`, their number into
+    `calls`. A step's time minus it is the time outside the products, whatever ran the rest:
+    eager ops, a compiled graph's fused kernels (the profiler charges those a record each, so
+    it is no clock for a compiled step), Python. fp32 / bf16 models (the int8 / int4 kernels
+    are not timed); not thread-safe.
+
+    Which calls: minillm.model.Linear's products on packed weights (`mkldnn._linear_pointwise`,
+    `mkl._mkl_linear`, made at run time in eager steps and in compiled ones alike), and
+
+    - eager steps (`compiled=False`): torch.mm, torch.addmm, F.linear;
+    - compiled steps (`compiled=True`): the library products a graph calls itself
+      (`extern_kernels.mm` / `.addmm`, where Inductor sends torch.mm, F.linear, ...). torch.mm
+      & co. are left alone: a graph that traced them guards on them, and replacing them would
+      recompile every such graph. Enter it after the step has compiled.
 
         with gemm_calls() as g:
             engine.step()
@@ -109,12 +114,16 @@ class gemm_calls:
         time_outside_gemms(engine, steps=10)   # (median step ms, median ms outside products)
     """
 
-    def __init__(self):
+    def __init__(self, compiled: bool = False):
         import torch
         import torch.nn.functional as F
         self.seconds, self.calls = 0.0, 0
-        self._sites = [(torch, "mm"), (torch, "addmm"), (F, "linear"),
-                       (torch.ops.mkldnn, "_linear_pointwise"), (torch.ops.mkl, "_mkl_linear")]
+        self._sites = [(torch.ops.mkldnn, "_linear_pointwise"), (torch.ops.mkl, "_mkl_linear")]
+        if compiled:
+            from torch._inductor.select_algorithm import extern_kernels
+            self._sites += [(extern_kernels, "mm"), (extern_kernels, "addmm")]
+        else:
+            self._sites += [(torch, "mm"), (torch, "addmm"), (F, "linear")]
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
@@ -137,11 +146,12 @@ class gemm_calls:
             setattr(obj, name, fn)
 
 
-def time_outside_gemms(engine: LLMEngine, steps: int) -> tuple:
+def time_outside_gemms(engine: LLMEngine, steps: int, compiled: bool = False) -> tuple:
     """(median wall time of a step, median of its time outside the products), ms, over
-    `steps` engine steps timed with `gemm_calls`."""
+    `steps` engine steps timed with `gemm_calls(compiled)` (True: steps of a compiled graph
+    that traces its products, as the engine's enforce_eager=False on a CPU)."""
     walls, outside = [], []
-    with gemm_calls() as g:
+    with gemm_calls(compiled) as g:
         for _ in range(steps):
             before = g.seconds
             t0 = time.perf_counter()
