@@ -30,16 +30,18 @@ the compiled step, and whether eager and compiled decoding give the same greedy 
     python benchmarks/bench_compile.py --engine --batch 1 16 --out benchmarks/results/x.json
 
 `--engine --whole` compiles the engine's way instead (`LLM(enforce_eager=False)` on a CPU,
-minillm/engine/compiled.py): the whole forward one graph, the products opaque ops, attention
-traced in decode steps, so nothing splits it; `--dtype bfloat16` for a bf16 model. Its rounds
-add a third system, the same graph with attention the opaque op again (`traced_attention`
-off). Every round also clocks the products' calls (`lab.profiling.gemm_calls`): the record's
-`*_outside_gemm_ms` is a step's time outside them, the profiler's split being no clock for a
-compiled step.
+minillm/engine/compiled.py): the whole forward one graph, the products traced (those on packed
+weights one op each), attention traced in decode steps, so nothing splits it; `--dtype
+bfloat16` for a bf16 model. Its rounds add two systems, the same graph with every product an
+opaque op again (`opaque_products`: `Linear.TRACED` off) and with attention the opaque op too
+(`opaque_attention`: the graph as it was before either was traced). Every round also clocks
+the products' calls (`lab.profiling.gemm_calls`): the record's `*_outside_gemm_ms` is a
+step's time outside them, the profiler's split being no clock for a compiled step.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -170,16 +172,35 @@ class whole_compiled:
         self.runner.graphs = self.saved
 
 
+# --whole: the engine's compiled step with parts of it opaque again, timed beside it
+WHOLE_VARIANTS = ("opaque_products",        # Linear.TRACED off: every product an opaque op
+                  "opaque_attention")       # ... and attention the opaque op too
+
+
+@contextlib.contextmanager
+def variant(step, name: str):
+    """Within it, the CompiledStep `step` runs as `name` (WHOLE_VARIANTS)."""
+    from minillm.model import Linear
+    saved = step.traced_attention, Linear.TRACED
+    Linear.TRACED = False
+    step.traced_attention = saved[0] and name != "opaque_attention"
+    try:
+        yield
+    finally:
+        step.traced_attention, Linear.TRACED = saved
+
+
 def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tokens: int,
                 whole: bool = False):
-    from minillm.lab.profiling import (GEMM_OPS, decode_engine, profile_steps, time_outside_gemms,
-                                       time_steps)
+    from minillm.lab.profiling import (GEMM_OPS, decode_engine, gemm_calls, profile_steps,
+                                       time_outside_gemms, time_steps)
 
     piecewise = None if whole else piecewise_compiled()
     rows = []
     for b in batches:
+        systems = 2 + (len(WHOLE_VARIANTS) if whole else 0)
         engine = decode_engine(model, b, context,          # room for every step below
-                               max_new_tokens=2 * rounds * steps + 10 * steps + 64)
+                               max_new_tokens=systems * rounds * steps + 10 * steps + 64)
         comp = whole_compiled(engine) if whole else piecewise
         row = {"batch": b}
         with torch.inference_mode():
@@ -188,21 +209,20 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
                 t0 = time.perf_counter()
                 engine.step()                                   # compiles this shape
                 row["first_compiled_step_s"] = round(time.perf_counter() - t0, 2)
-                if whole:                                       # and the opaque-attention one
-                    comp.compiled.traced_attention = False
-                    engine.step()
-                    comp.compiled.traced_attention = True
-            eager, compiled, eager_out, compiled_out, opaque = [], [], [], [], []
+                for v in WHOLE_VARIANTS if whole else ():      # and the variants' graphs
+                    with variant(comp.compiled, v):
+                        engine.step()
+            eager, compiled, eager_out, compiled_out = [], [], [], []
+            opaque = {v: [] for v in (WHOLE_VARIANTS if whole else ())}
             for _ in range(rounds):                             # alternate, one engine
                 ms, out = time_outside_gemms(engine, steps)
                 eager.append(ms), eager_out.append(out)
-                with comp:
-                    ms, out = time_outside_gemms(engine, steps)
+                with comp:                    # (--whole: the products traced into the graph)
+                    ms, out = time_outside_gemms(engine, steps, compiled=whole)
                     compiled.append(ms), compiled_out.append(out)
-                    if whole:                 # the same graph, attention the opaque op again
-                        comp.compiled.traced_attention = False
-                        opaque.append(time_outside_gemms(engine, steps))
-                        comp.compiled.traced_attention = True
+                    for v in opaque:          # the same graph, parts of it opaque ops again
+                        with variant(comp.compiled, v):
+                            opaque[v].append(time_outside_gemms(engine, steps))
             row["eager_step_ms"] = round(statistics.median(eager), 2)
             row["compiled_step_ms"] = round(statistics.median(compiled), 2)
             row["eager_rounds_ms"] = [round(t, 2) for t in eager]
@@ -211,17 +231,27 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
             row["eager_outside_gemm_ms"] = round(statistics.median(eager_out), 2)
             row["compiled_outside_gemm_ms"] = round(statistics.median(compiled_out), 2)
             row["compiled_outside_gemm_rounds_ms"] = [round(t, 2) for t in compiled_out]
-            if whole:
-                row["opaque_attention_step_ms"] = round(statistics.median(o[0] for o in opaque), 2)
-                row["opaque_attention_outside_gemm_ms"] = round(
-                    statistics.median(o[1] for o in opaque), 2)
-                row["opaque_attention_outside_gemm_rounds_ms"] = [round(o[1], 2) for o in opaque]
+            for v, timed in opaque.items():
+                row[f"{v}_step_ms"] = round(statistics.median(o[0] for o in timed), 2)
+                row[f"{v}_outside_gemm_ms"] = round(statistics.median(o[1] for o in timed), 2)
+                row[f"{v}_rounds_ms"] = [round(o[0], 2) for o in timed]
+                row[f"{v}_outside_gemm_rounds_ms"] = [round(o[1], 2) for o in timed]
+            if not engine.has_unfinished():
+                raise RuntimeError("the engine ran out of tokens to decode: raise max_new_tokens")
             prof = profile_steps(engine, steps)
             with comp:
                 cprof = profile_steps(engine, steps)
-            # the products (a traced decode attention adds two aten::bmm a layer: not products)
-            gemms = [sum(c for n, c, _ in pr.rows if n in GEMM_OPS and n != "aten::bmm")
-                     for pr in (prof, cprof)]
+            if whole:     # the products by their clock (the profiler misses the ones a graph
+                with gemm_calls() as g:                         # calls itself)
+                    engine.step()
+                with comp, gemm_calls(compiled=True) as gc:
+                    engine.step()
+                gemms = [g.calls, gc.calls]
+                if not engine.has_unfinished():
+                    raise RuntimeError("the engine ran out of tokens: raise max_new_tokens")
+            else:         # (a traced decode attention adds two aten::bmm a layer: not products)
+                gemms = [sum(c for n, c, _ in pr.rows if n in GEMM_OPS and n != "aten::bmm")
+                         for pr in (prof, cprof)]
             if gemms[0] != gemms[1]:      # the runner retries a failed batch request by request
                 raise RuntimeError(f"{gemms[1]:.0f} products per compiled step, {gemms[0]:.0f} "
                                    "eager: the compiled batched forward failed and the engine "
@@ -270,8 +300,8 @@ def main(argv=None):
                    help="the whole decode step in the engine, compiled in pieces split at "
                         "attention (see the module docstring)")
     p.add_argument("--whole", action="store_true",
-                   help="--engine: one graph per step instead, attention and products opaque "
-                        "ops (the engine's enforce_eager=False on a CPU)")
+                   help="--engine: one graph per step instead, the engine's "
+                        "enforce_eager=False on a CPU")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="the model's dtype (bfloat16 needs native bf16 on the CPU)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16], help="--engine: sequences")
@@ -290,8 +320,9 @@ def main(argv=None):
         rows = engine_rows(model, args.batch, args.context, args.steps, args.rounds,
                            args.check_tokens, whole=args.whole)
         what = ("decode steps in the engine, the whole forward one torch.compile'd graph "
-                "(default mode, dynamic shapes), the products opaque ops, paged attention traced "
-                "(opaque_attention_*: the same graph with attention an opaque op)"
+                "(default mode, dynamic shapes), the products traced (on packed weights one op "
+                "each), paged attention traced (opaque_products_*: the same graph with every "
+                "product an opaque op; opaque_attention_*: attention an opaque op too)"
                 if args.whole else
                 "decode steps in the engine, each layer's two halves torch.compile'd "
                 "(default mode, static shapes), paged attention eager between them")
