@@ -196,7 +196,9 @@ class Linear(nn.Linear):
     packs. Same numbers up to float rounding (tests/test_model.py); parameters and state-dict
     names are nn.Linear's. A GPU, a product that autograd records, or a torch without oneDNN
     takes F.linear. `SKINNY_ROWS = range(0)`, `FEW_ROWS = range(0)` and `PREPACK = False`
-    switch the paths off.
+    switch the paths off. Traced by torch.compile (a compiled CPU step, engine/compiled.py),
+    the forward makes the same choices while tracing, and the product on the packed copy
+    becomes one op, `minillm::packed_product`, with the copy an input of the graph.
     """
 
     SKINNY_ROWS = range(1, 3)                                # fp32 rows tune_skinny decides
@@ -238,10 +240,11 @@ class Linear(nn.Linear):
         if (w.dtype == torch.float32 and self.few == "linear"
                 and self.FEW_ROWS.start <= rows < self.FEW_ROWS.stop):
             return F.linear(x, w, self.bias)
-        if torch.compiler.is_compiling():                    # a compiled step traces the paths
-            packed = getattr(self, "_packed", None)          # above, and calls this one as ONE
-            if packed is None:                               # op on the copy made beforehand
-                return F.linear(x, w, self.bias)             # (`prepack`; engine/compiled.py)
+        if torch.compiler.is_compiling():       # traced (engine/compiled.py): the paths above
+            # become the graph's own library calls, this one ONE op on the copy made beforehand
+            packed = self._packed if self.PREPACK else None
+            if packed is None:
+                return F.linear(x, w, self.bias)
             return torch.ops.minillm.packed_product(x, packed, w, self.bias,
                                                     self._packed_for == "mkl")
         packed = self.prepacked() if self.PREPACK else None
@@ -251,6 +254,8 @@ class Linear(nn.Linear):
 
     # the packed copy, the weight (and library choice) it came from, the library that reads it
     _PACKED_STATE = ("_packed", "_packed_key", "_packed_for")
+    _packed = None              # (no copy yet; an attribute always there, so that a traced
+                                # forward's graph guards on it: engine/compiled.py)
 
     def __getstate__(self):
         """Copies and pickles leave the packed weight behind (it is remade on first use)."""
@@ -422,14 +427,16 @@ def _prepack(w, mkl: bool):
     """(library, packed copy) of a 2-D CPU weight: ("mkl", ...) for fp32 when `mkl` and MKL's
     packed GEMM is here, else ("onednn", ...); (None, None) where neither can pack it (no
     oneDNN, no bf16 support, another dtype)."""
+    # (a normal tensor, even when made in inference mode, as in an engine's step: a compiled
+    # graph guards on its copies' dispatch keys, which inference tensors lack one of)
     if w.dtype == torch.float32 and mkl and mkl_packs_here():
-        with torch.no_grad():
+        with torch.no_grad(), torch.inference_mode(False):
             return "mkl", torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), MKL_PACK_ROWS)
     if not torch.backends.mkldnn.is_available() or w.dtype not in (torch.float32, torch.bfloat16):
         return None, None
     if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return None, None
-    with torch.no_grad():
+    with torch.no_grad(), torch.inference_mode(False):
         return "onednn", torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 

@@ -214,10 +214,17 @@ def _decode(model, input_ids, positions, logits_rows, k_pool, v_pool, slots, key
     return decode_forward(model, input_ids, positions, cache, logits_rows)
 
 
+# Every model architecture, dtype, layer kind and row class (1, 2, 3, more tokens; one sampled
+# row or several) that a process runs gets its own graph of the same function, and past
+# torch.compile's default of 8 graphs per function the function runs eagerly, without an
+# error: a process that serves two models in two dtypes gets there. Room for more, per function.
+GRAPHS_PER_FUNCTION = 64
+
+
 @functools.lru_cache(maxsize=None)
 def compiled_decode():
     """`_decode` compiled, made once per process (as compiled_forward)."""
-    return torch.compile(_decode, dynamic=True)
+    return torch.compile(_decode, dynamic=True, recompile_limit=GRAPHS_PER_FUNCTION)
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,7 +232,7 @@ def compiled_forward():
     """`_forward` compiled, made once per process: the model is an argument and its layers are
     named by place, so every engine on a model, and every model of the same architecture,
     dtype and layer kinds, share its graphs."""
-    return torch.compile(_forward, dynamic=True)
+    return torch.compile(_forward, dynamic=True, recompile_limit=GRAPHS_PER_FUNCTION)
 
 
 class CompiledStep:
