@@ -40,8 +40,10 @@ Shapes are dynamic: a step of any number of tokens reuses a graph, except that I
 specialises the size 1, so a step that samples one row and one that samples several get a
 graph each (and a one-token step its own), and the products' choice by row count (1-2 rows,
 3, more: `Linear.SKINNY_ROWS`, `FEW_ROWS`) is a guard, so a step of 2 or 3 tokens gets its own
-graph too. The first step of each shape pays the compile, tens of seconds on 2 cores: an
-engine that lives long amortises it, a short script does not.
+graph too (each function keeps up to GRAPHS_PER_FUNCTION of them: past torch.compile's
+default of 8 it would run eagerly without a word). The first step of each shape pays the
+compile, tens of seconds on 2 cores: an engine that lives long amortises it, a short script
+does not.
 
 **A step that samples nothing** (a middle chunk of a long prompt) runs eagerly. Its graph would
 end in an empty tensor, and the compiler, told that attention is a function of its inputs with
