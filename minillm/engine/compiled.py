@@ -17,7 +17,7 @@ loops. Two things it must not trace into:
   (the choice is made while tracing: the row count decides which graph), but a product on a
   packed copy it cannot lower: its own lowering of those library ops wants the weight frozen
   into the graph as a constant (`freezing`, one graph per model). So that product is ONE op,
-  `minillm::packed_product(x, packed, w, bias)` (model.py), with the packed copy an input of the
+  `minillm::packed_product(x, packed, w, bias, mkl)` (model.py), the packed copy an input of the
   graph; the rest (the swapped product, F.linear) becomes plain library calls from the graph.
   `quant.QuantLinear`'s int8/int4 kernels stay opaque whole: `minillm::product(x, name)`, whose
   body is the layer's own eager forward (as every product was before: `Linear.TRACED = False`).
@@ -247,9 +247,8 @@ class CompiledStep:
         self.limit = model.config.max_position_embeddings
         self.disabled: Optional[str] = None                  # why steps run eagerly now
         compiled_products(model)
-        from ..model import Linear, prepack
-        prepack(model)                         # the packed copies the graphs read, made now
-        self.packed = [m for m in _PRODUCTS[model].values()
+        from ..model import Linear             # the packed copies the graphs read (made when
+        self.packed = [m for m in _PRODUCTS[model].values()       # the runner started: prepack)
                        if isinstance(m, Linear) and m.has_packed()]
         self.fn = compiled_forward()
         self.decode_fn = compiled_decode()
