@@ -116,6 +116,72 @@ def test_a_weight_changed_after_compiling_is_the_one_multiplied():
     got = run_engine(engine, others, other_max)
     assert got == run_engine(LLMEngine(model, None, **kw), others, other_max)
     assert got != unchanged                                           # the change mattered
+    up = model.layers[0].mlp.gate_up_proj               # a weight replaced by another tensor
+    up.weight = torch.nn.Parameter(up.weight.detach() * -2.0, requires_grad=False)
+    thirds, third_max = workload(6, seed=5)
+    got = run_engine(engine, thirds, third_max)
+    assert got == run_engine(LLMEngine(model, None, **kw), thirds, third_max)
+
+
+@needs_cxx
+def test_models_that_trace_differently_get_functions_of_their_own():
+    """The graphs skip Dynamo's guards on the model's modules: `model_signature` stands for
+    them and picks the compiled function. Engines on models alike share one; a model with int8
+    layers, or with another norm eps (a constant of the graph), gets its own, and each engine
+    gives its own eager engine's tokens."""
+    prompts, max_tokens = workload(6, seed=8)
+    other_eps = tiny()
+    other_eps.config = other_eps.config.with_(rms_norm_eps=0.5)
+    for m in other_eps.modules():
+        if isinstance(m, minillm.model.RMSNorm):
+            m.eps = 0.5
+    models = {"fp32": tiny(), "alike": tiny(), "int8": quantize_model(tiny(), "int8"),
+              "eps": other_eps}
+    kw = dict(num_kv_blocks=100, block_size=4, max_num_seqs=4)
+    steps, tokens = {}, {}
+    for name, model in models.items():
+        engine = LLMEngine(model, None, enforce_eager=False, **kw)
+        steps[name] = engine.runner.graphs
+        tokens[name] = run_engine(engine, prompts, max_tokens)
+        assert tokens[name] == run_engine(LLMEngine(model, None, **kw), prompts, max_tokens)
+        assert engine.runner.graphs.disabled is None
+    assert steps["fp32"].decode_fn is steps["alike"].decode_fn
+    assert len({id(s.decode_fn) for s in steps.values()}) == 3
+    assert tokens["int8"] != tokens["fp32"] != tokens["eps"]          # the differences matter
+
+
+@needs_cxx
+def test_linears_switches_flipped_under_an_engine_take_the_graphs_that_fit(monkeypatch):
+    """`Linear.TRACED` off under a running compiled engine (chapter 12's comparison): its next
+    steps call every product as the opaque op, from functions of their own, and give the
+    eager engine's tokens."""
+    model = tiny()
+    kw = dict(num_kv_blocks=100, block_size=4, max_num_seqs=4)
+    engine = LLMEngine(model, None, enforce_eager=False, **kw)
+    run_engine(engine, *workload(4, seed=9))
+    traced = engine.runner.graphs.decode_fn
+    monkeypatch.setattr(minillm.model.Linear, "TRACED", False)
+    prompts, max_tokens = workload(4, seed=10)
+    with torch.profiler.profile() as prof:
+        got = run_engine(engine, prompts, max_tokens)
+    assert got == run_engine(LLMEngine(model, None, **kw), prompts, max_tokens)
+    assert engine.runner.graphs.decode_fn is not traced
+    assert "minillm::product" in {e.name for e in prof.events()}
+
+
+@needs_cxx
+def test_the_graphs_guard_the_steps_inputs_not_the_models_parameters():
+    """Dynamo's guards before each call: on the step's inputs, not on the model's ~5,000
+    parameters, attributes and packed copies (the cost this saves: compiled.py, _compile)."""
+    engine = decode_engine(tiny(), 2, context=10, max_new_tokens=20, enforce_eager=False)
+    engine.step(), engine.step()                                       # compiled
+    code = engine.runner.graphs.decode_fn._torchdynamo_orig_callable.__code__
+    entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+    assert entries
+    tensor_guards = [line for e in entries for line in str(e.guard_manager).splitlines()
+                     if "TENSOR_MATCH" in line]
+    assert any("L['input_ids']" in line for line in tensor_guards)
+    assert not any("L['model']" in line for line in tensor_guards)
 
 
 @needs_cxx
@@ -200,7 +266,7 @@ def test_compiled_graph_logits_equal_the_eager_forward():
     compiled.compiled_products(model)
     prepack(model)
     with torch.inference_mode(), compiled.forward_context(model, PlainAttention()):
-        fn = compiled.compiled_forward()
+        fn = compiled.compiled_forward(model)
         fn(model, ids, torch.arange(7)[None], rows)                     # compiles
         with torch.profiler.profile() as prof:
             got = fn(model, ids, torch.arange(7)[None], rows)
@@ -222,6 +288,7 @@ def test_compiled_graph_logits_equal_the_eager_forward():
             p.mul_(torch.rand(p.shape, generator=torch.Generator().manual_seed(1)) + 0.5)
     compiled.compiled_products(other)
     prepack(other)
+    assert compiled.compiled_forward(other) is fn          # one function per signature
     graphs = counters["stats"]["unique_graphs"]
     with torch.inference_mode(), compiled.forward_context(other, PlainAttention()):
         got = fn(other, ids, torch.arange(7)[None], rows)

@@ -45,6 +45,17 @@ default of 8 it would run eagerly without a word). The first step of each shape 
 compile, tens of seconds on 2 cores: an engine that lives long amortises it, a short script
 does not.
 
+**Guards.** Before each call Dynamo checks that the graph still fits: every input's dtype,
+shape and stride, and, with the model an argument, every parameter, packed copy and module
+attribute the trace read, some 5,000 checks (0.33 ms of a 25 ms step on the course's AMD CPU).
+The model does not change shape under an engine, so its checks are skipped
+(`torch.compiler.skip_guard_on_all_nn_modules_unsafe`) and `model_signature` stands for them:
+one compiled function per signature (types, config, dtypes, shapes, product choices), so a
+model that traces differently never runs another's graph; the checks left (~75 us) are on
+the step's inputs, which pick the row class. vLLM goes further and calls its compiled graphs
+without Dynamo at all. The weights' values are not in the signature: an in-place update or a
+new tensor of the same shape is read at the next call (its packed copy remade first).
+
 **A step that samples nothing** (a middle chunk of a long prompt) runs eagerly. Its graph would
 end in an empty tensor, and the compiler, told that attention is a function of its inputs with
 no side effects, would drop every layer: nothing it returns needs them, and the KV writes the
@@ -69,6 +80,7 @@ import contextlib
 import functools
 import logging
 import threading
+import types
 import weakref
 from typing import Optional
 
@@ -216,25 +228,68 @@ def _decode(model, input_ids, positions, logits_rows, k_pool, v_pool, slots, key
     return decode_forward(model, input_ids, positions, cache, logits_rows)
 
 
-# Every model architecture, dtype, layer kind and row class (1, 2, 3, more tokens; one sampled
-# row or several) that a process runs gets its own graph of the same function, and past
-# torch.compile's default of 8 graphs per function the function runs eagerly, without an
-# error: a process that serves two models in two dtypes gets there. Room for more, per function.
+# Every row class (1, 2, 3, more tokens; one sampled row or several) a model runs gets its own
+# graph of the same function, and past torch.compile's default of 8 graphs per function the
+# function runs eagerly, without an error. Room for more, per function.
 GRAPHS_PER_FUNCTION = 64
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_decode():
-    """`_decode` compiled, made once per process (as compiled_forward)."""
-    return torch.compile(_decode, dynamic=True, recompile_limit=GRAPHS_PER_FUNCTION)
+def model_signature(model) -> tuple:
+    """What a trace of `model`'s forward depends on besides the step's inputs: its type and
+    config, every module's type, plain attributes (a layer's product choice, its packed
+    copy's library, eps, ...) and tensors' dtype, shape and layout, and `model.Linear`'s
+    switches. Models with the same signature share graphs (compiled_forward); the weights'
+    values are not in it: they are inputs of the graph, read at every call."""
+    def plain(v):
+        return (isinstance(v, (bool, int, float, str, type(None), torch.dtype))
+                or (isinstance(v, (tuple, range)) and all(plain(x) for x in v)))
+
+    parts = [type(model), repr(getattr(model, "config", None)), _switches()]
+    for name, m in model.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(m).items()
+                             if k != "_packed_key" and plain(v)))
+        tensors = tuple((k, t.dtype, tuple(t.shape), t.layout, t.device.type)
+                        for k, t in (*m._parameters.items(), *m._buffers.items(),
+                                     ("_packed", m.__dict__.get("_packed")))
+                        if t is not None)
+        parts.append((name, type(m), attrs, tensors))
+    return tuple(parts)
+
+
+def _switches() -> tuple:
+    """model.Linear's class switches, which every Linear's trace reads."""
+    from ..model import Linear
+    return Linear.TRACED, Linear.PREPACK, Linear.MKL, Linear.SKINNY_ROWS, Linear.FEW_ROWS
+
+
+def _compile(fn):
+    """torch.compile of a copy of `fn` with a code object of its own (Dynamo keeps a
+    function's graphs, and counts them against its limit, on the code object), its guards on
+    the model's modules skipped ("Guards" above: the signature that picked it stands for
+    them; the graph still asserts each input's size and stride when it runs)."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    return torch.compile(copy, dynamic=True, recompile_limit=GRAPHS_PER_FUNCTION,
+                         options={"guard_filter_fn":
+                                  torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_forward():
-    """`_forward` compiled, made once per process: the model is an argument and its layers are
-    named by place, so every engine on a model, and every model of the same architecture,
-    dtype and layer kinds, share its graphs."""
-    return torch.compile(_forward, dynamic=True, recompile_limit=GRAPHS_PER_FUNCTION)
+def _compiled(fn, signature: tuple):
+    return _compile(fn)
+
+
+def compiled_decode(model):
+    """`_decode` compiled for models like `model` (as compiled_forward)."""
+    return _compiled(_decode, model_signature(model))
+
+
+def compiled_forward(model):
+    """`_forward` compiled for models like `model`, made once per process and model signature
+    (`model_signature`): the model is an argument and its layers are named by place, so every
+    engine on a model, and every model of the same architecture, dtype and layer kinds, share
+    its graphs; another signature gets its own function."""
+    return _compiled(_forward, model_signature(model))
 
 
 class CompiledStep:
@@ -250,8 +305,8 @@ class CompiledStep:
         from ..model import Linear             # the packed copies the graphs read (made when
         self.packed = [m for m in _PRODUCTS[model].values()       # the runner started: prepack)
                        if isinstance(m, Linear) and m.has_packed()]
-        self.fn = compiled_forward()
-        self.decode_fn = compiled_decode()
+        self.weights = self._weight_versions()
+        self._pick_functions()
         kv = cache.k.shape[-2:]
         self.pools = cache.k.view(-1, *kv), cache.v.view(-1, *kv)    # [layers * slots, KVH, D]
         # traced attention needs a pool in the model's dtype, unscaled (no fp8 here)
@@ -266,9 +321,11 @@ class CompiledStep:
             return None
         if int(meta.positions.max()) >= self.limit:
             return None                                      # the eager forward says why
-        for m in self.packed:                  # a weight changed since its copy was made (a
-            m.prepacked()                      # load, an in-place update): make it again, the
-        self.cache.set_step(meta)              # graph reads the layer's copy at every call
+        if self.switches != _switches() or any(         # Linear's switches flipped, or a
+                m._parameters["weight"] is not w or _version(w) != v   # weight changed (a
+                for m, w, v in self.weights):                # load, an in-place update)
+            self._refresh()
+        self.cache.set_step(meta)
         args = (self.model, step.input_ids, meta.positions[None], step.logits_rows)
         try:
             with forward_context(self.model, self.cache):
@@ -287,11 +344,39 @@ class CompiledStep:
         self.cache.advance(meta.num_tokens)
         return logits
 
+    def _pick_functions(self) -> None:
+        """The compiled functions for this model's signature as it is now."""
+        self.switches, signature = _switches(), model_signature(self.model)
+        self.fn, self.decode_fn = _compiled(_forward, signature), _compiled(_decode, signature)
+
+    def _refresh(self) -> None:
+        """Make the packed copies again (the graphs read each layer's copy at every call) and
+        take the functions that fit the model now."""
+        for m in self.packed:
+            m.prepacked()
+        self.weights = self._weight_versions()
+        self._pick_functions()
+
+    def _weight_versions(self) -> list:
+        """Each packed layer, its weight and the weight's version counter (checked before each
+        step: ~15 us for 121 layers, where asking each layer, `prepacked`, takes ~0.2 ms)."""
+        return [(m, w, _version(w)) for m, w in
+                ((m, m._parameters["weight"]) for m in self.packed)]
+
     def _traced_decode(self, meta) -> bool:
         """Whether this step's attention is traced (every sequence decodes one token whose
         slot is real) rather than the opaque op's."""
         return (self.traced_attention and meta.is_decode_only
                 and bool((meta.slot_mapping >= 0).all()))
+
+
+def _version(w: torch.Tensor):
+    """The tensor's version counter (bumped by every in-place write), None for an inference
+    tensor, which has none."""
+    try:
+        return w._version
+    except RuntimeError:
+        return None
 
 
 def _is_compiler_failure(e: Exception) -> bool:
