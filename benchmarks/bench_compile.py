@@ -32,9 +32,11 @@ the compiled step, and whether eager and compiled decoding give the same greedy 
 `--engine --whole` compiles the engine's way instead (`LLM(enforce_eager=False)` on a CPU,
 minillm/engine/compiled.py): the whole forward one graph, the products traced (those on packed
 weights one op each), attention traced in decode steps, so nothing splits it; `--dtype
-bfloat16` for a bf16 model. Its rounds add two systems, the same graph with every product an
-opaque op again (`opaque_products`: `Linear.TRACED` off) and with attention the opaque op too
-(`opaque_attention`: the graph as it was before either was traced). Every round also clocks
+bfloat16` for a bf16 model. Its rounds add three systems: the same graph with Dynamo's guards
+on the model kept (`model_guards`: every parameter checked before each call, as before they
+were skipped), with every product an opaque op again (`opaque_products`: `Linear.TRACED` off)
+and with attention the opaque op too (`opaque_attention`: the graph before either was traced,
+its model guards skipped). Every round also clocks
 the products' calls (`lab.profiling.gemm_calls`): the record's `*_outside_gemm_ms` is a
 step's time outside them, the profiler's split being no clock for a compiled step.
 """
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import datetime
 import json
 import os
@@ -156,7 +159,7 @@ class piecewise_compiled:
 
 class whole_compiled:
     """Within this context `engine` runs every step that samples through one torch.compile'd
-    graph of the whole forward, the products opaque: the engine's own
+    graph of the whole forward: the engine's own
     enforce_eager=False path on a CPU (minillm/engine/compiled.py), swapped in and out."""
 
     def __init__(self, engine):
@@ -172,22 +175,66 @@ class whole_compiled:
         self.runner.graphs = self.saved
 
 
-# --whole: the engine's compiled step with parts of it opaque again, timed beside it
-WHOLE_VARIANTS = ("opaque_products",        # Linear.TRACED off: every product an opaque op
+# --whole: the engine's compiled step with parts of it as they were before, timed beside it
+WHOLE_VARIANTS = ("model_guards",           # Dynamo's guards on the model kept
+                  "opaque_products",        # Linear.TRACED off: every product an opaque op
                   "opaque_attention")       # ... and attention the opaque op too
+
+
+@functools.lru_cache(maxsize=None)
+def guarded_functions():
+    """The step's two functions compiled with Dynamo's guards on the model kept: every
+    parameter, packed copy and module attribute checked before each call."""
+    from minillm.engine import compiled
+    return (compiled._compile(compiled._forward, model_guards=True),
+            compiled._compile(compiled._decode, model_guards=True))
+
+
+def guard_checks(step, engine, repeats: int = 200) -> dict:
+    """Dynamo's check before a call, timed alone: the guards of the graph that runs the
+    engine's next decode step (its arguments captured on the way), for the step's function
+    and for model_guards' one: {system: (guard lines, microseconds a check)}."""
+    captured = []
+    fn = step.decode_fn
+    step.decode_fn = lambda *a: (captured.append(a), fn(*a))[1]
+    try:
+        engine.step()
+    finally:
+        step.decode_fn = fn
+    if not captured:
+        raise RuntimeError("the step did not run the traced decode graph")
+    out = {}
+    for name, f in (("compiled", fn), ("model_guards", guarded_functions()[1])):
+        code = f._torchdynamo_orig_callable.__code__
+        f_locals = dict(zip(code.co_varnames[:code.co_argcount], captured[0]))
+        fits = [e.guard_manager for e in torch._dynamo.eval_frame._debug_get_cache_entry_list(code)
+                if e.guard_manager.check(f_locals)]
+        if not fits:
+            raise RuntimeError(f"no graph of {name} fits the step")
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fits[0].check(f_locals)
+        out[name] = (len(str(fits[0]).splitlines()),
+                     round((time.perf_counter() - t0) / repeats * 1e6, 1))
+    return out
 
 
 @contextlib.contextmanager
 def variant(step, name: str):
     """Within it, the CompiledStep `step` runs as `name` (WHOLE_VARIANTS)."""
     from minillm.model import Linear
-    saved = step.traced_attention, Linear.TRACED
-    Linear.TRACED = False
-    step.traced_attention = saved[0] and name != "opaque_attention"
+    saved = step.traced_attention, Linear.TRACED, step.switches, step.fn, step.decode_fn
+    if name == "model_guards":
+        step.fn, step.decode_fn = guarded_functions()
+    else:
+        Linear.TRACED = False
+        step.traced_attention = saved[0] and name != "opaque_attention"
+        step._pick_functions()                      # (the functions for Linear.TRACED off)
     try:
         yield
     finally:
-        step.traced_attention, Linear.TRACED = saved
+        (step.traced_attention, Linear.TRACED, step.switches, step.fn,
+         step.decode_fn) = saved
 
 
 def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tokens: int,
@@ -213,16 +260,17 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
                     with variant(comp.compiled, v):
                         engine.step()
             eager, compiled, eager_out, compiled_out = [], [], [], []
-            opaque = {v: [] for v in (WHOLE_VARIANTS if whole else ())}
+            others = {v: [] for v in (WHOLE_VARIANTS if whole else ())}
             for _ in range(rounds):                             # alternate, one engine
                 ms, out = time_outside_gemms(engine, steps)
                 eager.append(ms), eager_out.append(out)
                 with comp:                    # (--whole: the products traced into the graph)
                     ms, out = time_outside_gemms(engine, steps, compiled=whole)
                     compiled.append(ms), compiled_out.append(out)
-                    for v in opaque:          # the same graph, parts of it opaque ops again
-                        with variant(comp.compiled, v):
-                            opaque[v].append(time_outside_gemms(engine, steps))
+                    for v in others:          # the same graph, a part of it as it was
+                        with variant(comp.compiled, v):           # (its products traced
+                            others[v].append(time_outside_gemms(            # or opaque ops)
+                                engine, steps, compiled=v == "model_guards"))
             row["eager_step_ms"] = round(statistics.median(eager), 2)
             row["compiled_step_ms"] = round(statistics.median(compiled), 2)
             row["eager_rounds_ms"] = [round(t, 2) for t in eager]
@@ -231,11 +279,16 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
             row["eager_outside_gemm_ms"] = round(statistics.median(eager_out), 2)
             row["compiled_outside_gemm_ms"] = round(statistics.median(compiled_out), 2)
             row["compiled_outside_gemm_rounds_ms"] = [round(t, 2) for t in compiled_out]
-            for v, timed in opaque.items():
+            for v, timed in others.items():
                 row[f"{v}_step_ms"] = round(statistics.median(o[0] for o in timed), 2)
                 row[f"{v}_outside_gemm_ms"] = round(statistics.median(o[1] for o in timed), 2)
                 row[f"{v}_rounds_ms"] = [round(o[0], 2) for o in timed]
                 row[f"{v}_outside_gemm_rounds_ms"] = [round(o[1], 2) for o in timed]
+            if whole:                     # the guards' check alone, both ways
+                with comp:
+                    checks = guard_checks(comp.compiled, engine)
+                for name, (lines, us) in checks.items():
+                    row[f"{name}_guard_lines"], row[f"{name}_guard_check_us"] = lines, us
             if not engine.has_unfinished():
                 raise RuntimeError("the engine ran out of tokens to decode: raise max_new_tokens")
             prof = profile_steps(engine, steps)
@@ -321,7 +374,8 @@ def main(argv=None):
                            args.check_tokens, whole=args.whole)
         what = ("decode steps in the engine, the whole forward one torch.compile'd graph "
                 "(default mode, dynamic shapes), the products traced (on packed weights one op "
-                "each), paged attention traced (opaque_products_*: the same graph with every "
+                "each), paged attention traced, Dynamo's guards on the model skipped "
+                "(model_guards_*: the same graph with them kept; opaque_products_*: every "
                 "product an opaque op; opaque_attention_*: attention an opaque op too)"
                 if args.whole else
                 "decode steps in the engine, each layer's two halves torch.compile'd "

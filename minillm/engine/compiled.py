@@ -262,16 +262,17 @@ def _switches() -> tuple:
     return Linear.TRACED, Linear.PREPACK, Linear.MKL, Linear.SKINNY_ROWS, Linear.FEW_ROWS
 
 
-def _compile(fn):
+def _compile(fn, model_guards: bool = False):
     """torch.compile of a copy of `fn` with a code object of its own (Dynamo keeps a
     function's graphs, and counts them against its limit, on the code object), its guards on
     the model's modules skipped ("Guards" above: the signature that picked it stands for
-    them; the graph still asserts each input's size and stride when it runs)."""
+    them; the graph still asserts each input's size and stride when it runs). `model_guards`
+    keeps them (bench_compile.py's comparison)."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                               fn.__defaults__, fn.__closure__)
+    skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
     return torch.compile(copy, dynamic=True, recompile_limit=GRAPHS_PER_FUNCTION,
-                         options={"guard_filter_fn":
-                                  torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+                         options=None if model_guards else {"guard_filter_fn": skip})
 
 
 @functools.lru_cache(maxsize=None)
