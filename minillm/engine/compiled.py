@@ -47,14 +47,16 @@ does not.
 
 **Guards.** Before each call Dynamo checks that the graph still fits: every input's dtype,
 shape and stride, and, with the model an argument, every parameter, packed copy and module
-attribute the trace read, some 5,000 checks (0.33 ms of a 25 ms step on the course's AMD CPU).
-The model does not change shape under an engine, so its checks are skipped
-(`torch.compiler.skip_guard_on_all_nn_modules_unsafe`) and `model_signature` stands for them:
-one compiled function per signature (types, config, dtypes, shapes, product choices), so a
-model that traces differently never runs another's graph; the checks left (~75 us) are on
-the step's inputs, which pick the row class. vLLM goes further and calls its compiled graphs
-without Dynamo at all. The weights' values are not in the signature: an in-place update or a
-new tensor of the same shape is read at the next call (its packed copy remade first).
+attribute the trace read, some 5,500 checks (about 0.3 ms of a 28 ms step on the course's AMD
+CPU: `bench_compile.py --engine --whole`, chapter 12). The model does not change shape under an
+engine, so its checks are skipped (`torch.compiler.skip_guard_on_all_nn_modules_unsafe`) and
+`model_signature` stands for them: one compiled function per signature (types, config, dtypes,
+shapes, product choices), so a model that traces differently never runs another's graph; the
+checks left (30-70 us) are on the step's inputs, which pick the row class. vLLM goes further:
+it compiles its model once with every guard dropped and never lets Dynamo trace it again (its
+`TorchCompileGuardsStripWrapper`). The weights' values are not in the signature: an in-place
+update or a new tensor of the same shape is read at the next call (its packed copy remade
+first).
 
 **A step that samples nothing** (a middle chunk of a long prompt) runs eagerly. Its graph would
 end in an empty tensor, and the compiler, told that attention is a function of its inputs with
