@@ -170,6 +170,24 @@ def test_linears_switches_flipped_under_an_engine_take_the_graphs_that_fit(monke
 
 
 @needs_cxx
+def test_the_cpp_wrapper_gives_the_same_tokens(monkeypatch):
+    """compiled.CPP_WRAPPER (Inductor's C++ wrapper, off by default): decode steps (traced
+    attention) and prefill chunks (the opaque attention op, the packed products' op) run from
+    C++ and give sequential greedy generation's tokens."""
+    monkeypatch.setattr(compiled, "CPP_WRAPPER", True)
+    model = tiny()
+    prompts, max_tokens = workload(4, seed=11)
+    engine = LLMEngine(model, None, num_kv_blocks=100, block_size=4, max_num_seqs=4,
+                       enforce_eager=False)
+    step = engine.runner.graphs
+    ran = counting(step)
+    assert run_engine(engine, prompts, max_tokens) == sequential(model, prompts, max_tokens)
+    assert sum(ran) > 0 and step.disabled is None
+    assert step.decode_fn is compiled._compiled(compiled._decode, compiled.model_signature(model))
+    assert step.switches[-1] is True
+
+
+@needs_cxx
 def test_the_graphs_guard_the_steps_inputs_not_the_models_parameters():
     """Dynamo's guards before each call: on the step's inputs, not on the model's ~5,000
     parameters, attributes and packed copies (the cost this saves: compiled.py, _compile)."""

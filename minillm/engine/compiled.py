@@ -75,6 +75,8 @@ eager ops round after each op, so near-ties can flip, as between bf16 and fp32.
 `build_graph_runner` (cuda_graphs.py) returns a `CompiledStep` on a CPU with
 enforce_eager=False. Measured by `benchmarks/bench_compile.py --engine --whole` (steps) and
 `benchmarks/bench_engine.py` (`minillm_graphs`, `minillm_bf16_graphs`): chapter 12.
+`CPP_WRAPPER = True` builds the graphs with Inductor's C++ wrapper instead of a Python one
+(slower to compile; measured there too).
 """
 from __future__ import annotations
 
@@ -258,28 +260,41 @@ def model_signature(model) -> tuple:
     return tuple(parts)
 
 
+# Inductor's C++ wrapper for the step's graphs: the generated code calls its kernels and the
+# library from C++, not from a Python function of a few hundred lines a step. Off by default:
+# it compiled about three times slower on the course's AMD CPU (the batch-16 graphs: 158 s
+# against 48), and what it saves there is smaller than the products' spread between steps, so
+# no clock here has measured it (bench_compile.py --engine --whole, system cpp_wrapper;
+# chapter 12).
+CPP_WRAPPER = False
+
+
 def _switches() -> tuple:
-    """model.Linear's class switches, which every Linear's trace reads."""
+    """The switches every trace reads: model.Linear's class switches and CPP_WRAPPER."""
     from ..model import Linear
-    return Linear.TRACED, Linear.PREPACK, Linear.MKL, Linear.SKINNY_ROWS, Linear.FEW_ROWS
+    return (Linear.TRACED, Linear.PREPACK, Linear.MKL, Linear.SKINNY_ROWS, Linear.FEW_ROWS,
+            CPP_WRAPPER)
 
 
-def _compile(fn, model_guards: bool = False):
+def _compile(fn, model_guards: bool = False, cpp_wrapper: bool = False):
     """torch.compile of a copy of `fn` with a code object of its own (Dynamo keeps a
     function's graphs, and counts them against its limit, on the code object), its guards on
     the model's modules skipped ("Guards" above: the signature that picked it stands for
     them; the graph still asserts each input's size and stride when it runs). `model_guards`
-    keeps them (bench_compile.py's comparison)."""
+    keeps them (bench_compile.py's comparison); `cpp_wrapper`: Inductor's C++ wrapper."""
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                               fn.__defaults__, fn.__closure__)
-    skip = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+    options = {} if model_guards else {
+        "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+    if cpp_wrapper:
+        options["cpp_wrapper"] = True
     return torch.compile(copy, dynamic=True, recompile_limit=GRAPHS_PER_FUNCTION,
-                         options=None if model_guards else {"guard_filter_fn": skip})
+                         options=options or None)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(fn, signature: tuple):
-    return _compile(fn)
+    return _compile(fn, cpp_wrapper=CPP_WRAPPER)            # (CPP_WRAPPER: in the signature)
 
 
 def compiled_decode(model):
