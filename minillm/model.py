@@ -254,8 +254,9 @@ class Linear(nn.Linear):
 
     # the packed copy, the weight (and library choice) it came from, the library that reads it
     _PACKED_STATE = ("_packed", "_packed_key", "_packed_for")
-    _packed = None              # (no copy yet; an attribute always there, so that a traced
-                                # forward's graph guards on it: engine/compiled.py)
+    _packed = None              # (no copy yet; an attribute always there for a traced
+                                # forward to read; engine/compiled.py's model_signature
+                                # records whether a layer has one)
 
     def __getstate__(self):
         """Copies and pickles leave the packed weight behind (it is remade on first use)."""
@@ -427,8 +428,9 @@ def _prepack(w, mkl: bool):
     """(library, packed copy) of a 2-D CPU weight: ("mkl", ...) for fp32 when `mkl` and MKL's
     packed GEMM is here, else ("onednn", ...); (None, None) where neither can pack it (no
     oneDNN, no bf16 support, another dtype)."""
-    # (a normal tensor, even when made in inference mode, as in an engine's step: a compiled
-    # graph guards on its copies' dispatch keys, which inference tensors lack one of)
+    # (a normal tensor, even when made in inference mode, as in an engine's step: the copies
+    # a compiled graph reads then have the same dispatch keys wherever they were made;
+    # inference tensors lack one of them)
     if w.dtype == torch.float32 and mkl and mkl_packs_here():
         with torch.no_grad(), torch.inference_mode(False):
             return "mkl", torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), MKL_PACK_ROWS)
