@@ -23,9 +23,12 @@ Run it on a quiet machine (/work/bin/quiet-run) with 2 threads; compile time is 
 in pieces split at attention. Each decoder layer runs two compiled pieces (RMSNorm + QKV + rope;
 output projection + residual + RMSNorm + MLP + residual) with the paged attention eager between
 them (its block tables are read on the host). Both pieces are compiled once and shared by the 30
-layers (their weights are graph inputs). Steps alternate eager and compiled rounds on one engine;
-the record holds the median step of each, the first compiled step (the compile), a profile of
-the compiled step, and whether eager and compiled decoding give the same greedy tokens.
+layers (their weights are graph inputs). Eager and compiled rounds alternate, each round on a
+fresh engine prefilled to `--context` tokens, so that every round decodes the same positions
+(`timed_positions` in the record; rounds one after another on one engine would each attend
+over more keys than the last); the record holds the median step of each, the first compiled
+step (the compile), a profile of the compiled step, and whether eager and compiled decoding
+give the same greedy tokens.
 
     python benchmarks/bench_compile.py --engine --batch 1 16 --out benchmarks/results/x.json
 
@@ -39,7 +42,8 @@ products' spread between steps swamps, chapter 12), with Dynamo's guards
 on the model kept (`model_guards`: every parameter checked before each call, as before they
 were skipped), with every product an opaque op again (`opaque_products`: `Linear.TRACED` off)
 and with attention the opaque op too (`opaque_attention`: the graph before either was traced,
-its model guards skipped). Every round also clocks
+its model guards skipped; `--variants` names the ones to time, none for eager and compiled
+only). Every round also clocks
 the products' calls (`lab.profiling.gemm_calls`): the record's `*_outside_gemm_ms` is a
 step's time outside them, the profiler's split being no clock for a compiled step.
 """
@@ -243,41 +247,64 @@ def variant(step, name: str):
 
 
 def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tokens: int,
-                whole: bool = False):
+                whole: bool = False, variants=WHOLE_VARIANTS):
     from minillm.lab.profiling import (GEMM_OPS, decode_engine, gemm_calls, profile_steps,
                                        time_outside_gemms, time_steps)
 
     piecewise = None if whole else piecewise_compiled()
+    variants = tuple(variants) if whole else ()
+
+    @contextlib.contextmanager
+    def running(engine, system: str):
+        """`engine` runs as `system`: eager, compiled or one of the variants."""
+        if system == "eager":
+            yield
+            return
+        with (whole_compiled(engine) if whole else piecewise) as comp:
+            if system == "compiled":
+                yield
+            else:
+                with variant(comp.compiled, system):
+                    yield
+
+    def round_at_context(b: int, system: str) -> tuple:
+        """(step ms, ms outside the products) of `steps` steps of `system` on a fresh engine
+        prefilled to `context` tokens: every round of every system decodes the same positions.
+        (Rounds taken one after another on one engine would each start further on, their
+        attention over more keys than the round before: a drift that looks like the
+        machine's, and a median that belongs to no stated context.)"""
+        with torch.inference_mode(False):    # its pools plain tensors, as an engine's are
+            engine = decode_engine(model, b, context, max_new_tokens=steps + 2)  # (else
+        with torch.inference_mode(), running(engine, system):      # Dynamo recompiles)
+            engine.step()                                    # an untimed first step
+            return time_outside_gemms(     # (whole: the products traced into the graph)
+                engine, steps, compiled=whole and system in ("compiled", "model_guards",
+                                                             "cpp_wrapper"))
+
     rows = []
     for b in batches:
-        systems = 2 + (len(WHOLE_VARIANTS) if whole else 0)
-        engine = decode_engine(model, b, context,          # room for every step below
-                               max_new_tokens=systems * rounds * steps + 10 * steps + 64)
+        engine = decode_engine(model, b, context, max_new_tokens=10 * steps + 64)
         comp = whole_compiled(engine) if whole else piecewise
-        row = {"batch": b}
+        row = {"batch": b,            # the positions every timed round decodes, first and last
+               "timed_positions": [context + 1, context + steps]}
         with torch.inference_mode():
             time_steps(engine, 2)
             with comp:
                 t0 = time.perf_counter()
                 engine.step()                                   # compiles this shape
                 row["first_compiled_step_s"] = round(time.perf_counter() - t0, 2)
-                for v in WHOLE_VARIANTS if whole else ():      # and the variants' graphs
+                for v in variants:                              # and the variants' graphs
                     with variant(comp.compiled, v):
                         t0 = time.perf_counter()
                         engine.step()
                         row[f"{v}_first_step_s"] = round(time.perf_counter() - t0, 2)
-            eager, compiled, eager_out, compiled_out = [], [], [], []
-            others = {v: [] for v in (WHOLE_VARIANTS if whole else ())}
-            for _ in range(rounds):                             # alternate, one engine
-                ms, out = time_outside_gemms(engine, steps)
-                eager.append(ms), eager_out.append(out)
-                with comp:                    # (--whole: the products traced into the graph)
-                    ms, out = time_outside_gemms(engine, steps, compiled=whole)
-                    compiled.append(ms), compiled_out.append(out)
-                    for v in others:          # the same graph, a part of it as it was
-                        with variant(comp.compiled, v):           # (its products traced
-                            others[v].append(time_outside_gemms(            # or opaque ops)
-                                engine, steps, compiled=v in ("model_guards", "cpp_wrapper")))
+            timed = {s: [] for s in ("eager", "compiled", *variants)}
+            for _ in range(rounds):                    # alternate, each round afresh
+                for s in timed:
+                    timed[s].append(round_at_context(b, s))
+            eager, eager_out = zip(*timed["eager"])
+            compiled, compiled_out = zip(*timed["compiled"])
+            others = {v: timed[v] for v in variants}
             row["eager_step_ms"] = round(statistics.median(eager), 2)
             row["compiled_step_ms"] = round(statistics.median(compiled), 2)
             row["eager_rounds_ms"] = [round(t, 2) for t in eager]
@@ -285,6 +312,7 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
             # time outside the products by a clock on their calls (lab.profiling.gemm_calls)
             row["eager_outside_gemm_ms"] = round(statistics.median(eager_out), 2)
             row["compiled_outside_gemm_ms"] = round(statistics.median(compiled_out), 2)
+            row["eager_outside_gemm_rounds_ms"] = [round(t, 2) for t in eager_out]
             row["compiled_outside_gemm_rounds_ms"] = [round(t, 2) for t in compiled_out]
             for v, timed in others.items():
                 row[f"{v}_step_ms"] = round(statistics.median(o[0] for o in timed), 2)
@@ -297,7 +325,7 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
                     continue
                 row[f"{v}_outside_gemm_ms"] = round(statistics.median(o[1] for o in timed), 2)
                 row[f"{v}_outside_gemm_rounds_ms"] = [round(o[1], 2) for o in timed]
-            if whole:                     # the guards' check alone, both ways
+            if "model_guards" in variants:     # the guards' check alone, both ways
                 with comp:
                     checks = guard_checks(comp.compiled, engine)
                 for name, (lines, us) in checks.items():
@@ -376,6 +404,9 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="--engine: eager/compiled rounds")
     p.add_argument("--check-tokens", type=int, default=32,
                    help="--engine: greedy tokens compared between eager and compiled")
+    p.add_argument("--variants", nargs="*", default=list(WHOLE_VARIANTS),
+                   choices=WHOLE_VARIANTS, help="--whole: the variants timed beside the "
+                   "engine's graph (default all; none: eager and compiled only)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     load_before = os.getloadavg()[0]
@@ -384,7 +415,7 @@ def main(argv=None):
                                   dtype=getattr(torch, args.dtype))
     if args.engine:
         rows = engine_rows(model, args.batch, args.context, args.steps, args.rounds,
-                           args.check_tokens, whole=args.whole)
+                           args.check_tokens, whole=args.whole, variants=args.variants)
         what = ("decode steps in the engine, the whole forward one torch.compile'd graph "
                 "(default mode, dynamic shapes), the products traced (on packed weights one op "
                 "each), paged attention traced, Dynamo's guards on the model skipped "
@@ -397,7 +428,8 @@ def main(argv=None):
                 "decode steps in the engine, each layer's two halves torch.compile'd "
                 "(default mode, static shapes), paged attention eager between them")
         return finish(args, load_before, rows, benchmark="compile_engine", what=what,
-                      context=args.context)
+                      context=args.context, steps=args.steps,
+                      variants=args.variants if args.whole else [])
     C = model.config.hidden_size
     rows_out = []
     with torch.inference_mode():
