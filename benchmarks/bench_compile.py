@@ -298,13 +298,13 @@ def engine_rows(model, batches, context: int, steps: int, rounds: int, check_tok
                         t0 = time.perf_counter()
                         engine.step()
                         row[f"{v}_first_step_s"] = round(time.perf_counter() - t0, 2)
-            timed = {s: [] for s in ("eager", "compiled", *variants)}
+            by_system = {s: [] for s in ("eager", "compiled", *variants)}
             for _ in range(rounds):                    # alternate, each round afresh
-                for s in timed:
-                    timed[s].append(round_at_context(b, s))
-            eager, eager_out = zip(*timed["eager"])
-            compiled, compiled_out = zip(*timed["compiled"])
-            others = {v: timed[v] for v in variants}
+                for s, times in by_system.items():
+                    times.append(round_at_context(b, s))
+            eager, eager_out = zip(*by_system["eager"])
+            compiled, compiled_out = zip(*by_system["compiled"])
+            others = {v: by_system[v] for v in variants}
             row["eager_step_ms"] = round(statistics.median(eager), 2)
             row["compiled_step_ms"] = round(statistics.median(compiled), 2)
             row["eager_rounds_ms"] = [round(t, 2) for t in eager]
