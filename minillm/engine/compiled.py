@@ -241,9 +241,10 @@ GRAPHS_PER_FUNCTION = 64
 def model_signature(model) -> tuple:
     """What a trace of `model`'s forward depends on besides the step's inputs: its type and
     config, every module's type, plain attributes (a layer's product choice, its packed
-    copy's library, eps, ...) and tensors' dtype, shape and layout, and `model.Linear`'s
-    switches. Models with the same signature share graphs (compiled_forward); the weights'
-    values are not in it: they are inputs of the graph, read at every call."""
+    copy's library, eps, ...) and tensors' dtype, shape and layout, and the switches every
+    trace reads (`_switches`: model.Linear's and CPP_WRAPPER). Models with the same signature
+    share graphs (compiled_forward); the weights' values are not in it: they are inputs of the
+    graph, read at every call."""
     def plain(v):
         return (isinstance(v, (bool, int, float, str, type(None), torch.dtype))
                 or (isinstance(v, (tuple, range)) and all(plain(x) for x in v)))
