@@ -8,6 +8,7 @@ import torch.nn as nn
 import minillm
 from minillm import SamplingParams, configs
 from minillm.loader import random_model
+from minillm.quant import onednn_order
 from minillm.quant import (Int4Linear, Int8Linear, check_quantization, decoder_linears,
                            quantize_model, weight_bytes)
 from minillm.quant.gptq import gptq_quantize, gptq_quantize_model
@@ -91,6 +92,52 @@ def test_int8_kernel_dequantizes_once_from_dequant_rows(monkeypatch):
             torch.testing.assert_close(ql(x), int8_linear_ref(x, ql.qweight, ql.scale),
                                        atol=3e-2, rtol=2e-2)
     assert calls == [1, ql.DEQUANT_ROWS - 1]                 # the packed kernel below only
+
+
+needs_onednn_order = pytest.mark.skipif(not onednn_order.available(),
+                                        reason="no oneDNN bf16 packing in this torch/CPU")
+
+
+@needs_onednn_order
+@pytest.mark.parametrize("n,k", [(96, 128), (37, 64), (960, 576), (3, 34)])
+def test_onednn_order_expands_into_a_packed_weight(n, k):
+    """int8 values stored in oneDNN's packed order, expanded into the scratch packed weight,
+    multiply like the plain bf16 matrix; the same values in the plain order do not."""
+    torch.manual_seed(n + k)
+    perm = onednn_order.order(n, k)
+    assert perm is not None and int((perm > 0).sum()) == n * k             # a permutation
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    x = torch.randn(5, k).to(torch.bfloat16)
+    ref = x.float() @ q.float().T                                           # fp32 twin
+    out = onednn_order.product(x, onednn_order.pack_int8(q), n, k)
+    assert out.shape == (5, n) and out.dtype == torch.bfloat16
+    atol = 1e-3 * float(ref.abs().max())
+    torch.testing.assert_close(out.float(), ref, atol=atol, rtol=1e-2)     # bf16 output
+    wrong = onednn_order.product(x, onednn_order.pack_int8(q.flip(0)), n, k).float()
+    assert not torch.allclose(wrong, ref, atol=atol, rtol=1e-2)            # rows swapped: trips
+
+
+@needs_onednn_order
+def test_int8_layer_uses_the_packed_order_and_follows_its_weight(monkeypatch):
+    calls = []
+    real = onednn_order.product
+    monkeypatch.setattr(onednn_order, "product", lambda x, *a: calls.append(x.shape[0])
+                        or real(x, *a))
+    torch.manual_seed(0)
+    ql = Int8Linear(nn.Linear(64, 48, bias=True))
+    x = torch.randn(ql.DEQUANT_ROWS + 3, 64)
+    with torch.no_grad():
+        out = ql(x)
+        plain = Int8Linear.PACKED_ORDER
+        monkeypatch.setattr(Int8Linear, "PACKED_ORDER", False)
+        torch.testing.assert_close(out, ql(x), atol=1e-2, rtol=1e-2)   # the plain expansion
+        monkeypatch.setattr(Int8Linear, "PACKED_ORDER", plain)
+        assert calls == [x.shape[0]]
+        ql.qweight.neg_()                               # an in-place update is read next call
+        torch.testing.assert_close(ql(x), int8_linear_ref(x, ql.qweight, ql.scale, ql.bias),
+                                   atol=3e-2, rtol=2e-2)
+    import copy
+    assert "_packed_q" in ql.__dict__ and "_packed_q" not in copy.deepcopy(ql).__dict__
 
 
 @pytest.mark.parametrize("rows", [1, 4, 33])

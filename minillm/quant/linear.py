@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import onednn_order
 from .rtn import (check_group_size, dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                   quantize_int8, unpack_int4)
 
@@ -134,14 +135,52 @@ class Int8Linear(QuantLinear):
     # aten's int8 kernel dequantizes the weight again for every row it multiplies: its time
     # grows with the rows (30 gate_up layers on a 2-core Xeon: 2.3 ms at 1 row, 12.8 at 16,
     # 24.0 at 32). Dequantizing once to bf16 and running one GEMM costs about the same at any
-    # row count (8.9 / 10.2 / 11.5 ms): from DEQUANT_ROWS rows on (batched decode, prefill) the
-    # layer does that. It reads more bytes than the packed kernel, which only pays below.
-    DEQUANT_ROWS = 16
+    # row count (8.9 / 10.2 / 11.5 ms), so from DEQUANT_ROWS rows on (batched decode, prefill)
+    # the layer does that; it reads more bytes than the int8 kernel, which only pays below.
+    # Where oneDNN can take it (`onednn_order`), the expansion writes into a weight already in
+    # oneDNN's packed layout (a copy of the int8 values kept in that order, made at the first
+    # such call), and the bf16 product on a packed weight is the fast one at these row counts.
+    # With that, the crossover on the course's AMD CPU (all 30 layers' products, 2 threads,
+    # scratch microbenchmark, medians of 11): aten's kernel 12.9 ms at 4 rows, 29.5 at 6; the
+    # expansion 17.8 and 18.3. (The Xeon's crossover, measured before the packed order, was
+    # near 16 rows; it has not been measured again.)
+    DEQUANT_ROWS = 5
+    PACKED_ORDER = True                      # False: expand to a plain [N, K] bf16 matrix
+
+    _PACKED_STATE = ("_packed_q", "_packed_key")
+
+    def __getstate__(self):
+        """Copies and pickles leave the packed-order copy behind (remade on first use)."""
+        state = dict(super().__getstate__())
+        for k in self._PACKED_STATE:
+            state.pop(k, None)
+        return state
+
+    def packed_order(self):
+        """qweight's values in oneDNN's packed order (remade when qweight changes), or None
+        where that path is not available here."""
+        if not (self.PACKED_ORDER and onednn_order.available()):
+            return None
+        q = self.qweight
+        try:
+            version = q._version
+        except RuntimeError:                                 # an inference tensor: no counter
+            version = None
+        key = (q.data_ptr(), version, tuple(q.shape))
+        if self.__dict__.get("_packed_key") != key:
+            self.__dict__["_packed_key"] = key
+            self.__dict__["_packed_q"] = onednn_order.pack_int8(q)
+        return self.__dict__["_packed_q"]
 
     def kernel(self, x):                                     # x [M, K] bf16 -> [M, N] bf16
-        if x.shape[0] >= self.DEQUANT_ROWS:
-            return F.linear(x, self.qweight.to(torch.bfloat16)) * self.scale_bf16
-        return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale_bf16)
+        if x.shape[0] < self.DEQUANT_ROWS:
+            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale_bf16)
+        packed_q = self.packed_order()
+        if packed_q is not None:
+            out = onednn_order.product(x, packed_q, self.out_features, self.in_features)
+        else:
+            out = F.linear(x, self.qweight.to(torch.bfloat16))
+        return out * self.scale_bf16
 
     def reference(self, x):
         return int8_linear_ref(x, self.qweight, self.scale, self.bias)
