@@ -26,7 +26,10 @@ and the pool's bytes per block read from the engine's cache tensors (fp32, bf16,
 engine: the engine at 16 concurrent requests (greedy, 32 tokens, 16-token prompts) in several
 weight formats, the LM head quantized or not, against transformers' static `generate` (fp32),
 side by side, best of `--repeats` interleaved rounds; and a torch.profiler split of one decode
-step (GEMM vs everything else) for the fp32, int8 and fastest variants.
+step (GEMM vs everything else) for the fp32, int8 and fastest eager variants. A variant named
+"..._graphs" is its eager twin's model run with enforce_eager=False (each step through the
+compiled graph of minillm/engine/compiled.py; compiled during the warm-up, at both batch sizes);
+`--variants` picks which run (default: all of ENGINE_SYSTEMS).
 
 batch1: the batch-1 decode step of fp32, int8 and int4 decoder layers, each also with an int8 LM
 head (`quantize_model(..., quantize_lm_head="int8")`: the head is a fifth of SmolLM2's weights,
@@ -74,9 +77,9 @@ def prompts_for(tok, batch: int, length: int = 16) -> list:
     return [ids[i * 40:i * 40 + length] for i in range(batch)]
 
 
-def decode_run(model, tok, batch: int, max_tokens: int) -> dict:
+def decode_run(model, tok, batch: int, max_tokens: int, enforce_eager: bool = True) -> dict:
     llm = minillm.LLM((model, tok), max_num_seqs=batch, enable_prefix_caching=False,
-                      num_kv_blocks=batch * 8 + 8, block_size=16)
+                      num_kv_blocks=batch * 8 + 8, block_size=16, enforce_eager=enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts_for(tok, batch), params, use_tqdm=False)
@@ -196,7 +199,10 @@ ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM
 
 
 ENGINE_SYSTEMS = ("fp32", "bf16", "int8", "bf16_int8", "int8_lm_head", "bf16_int8_lm_head",
-                  "int4_lm_head", "bf16_int4_lm_head")    # what `engine` times
+                  "int4_lm_head", "bf16_int4_lm_head",    # what `engine` times; "_graphs":
+                  "fp32_graphs", "bf16_graphs", "int8_graphs", "bf16_int8_graphs",
+                  "int4_lm_head_graphs")                  # the same with enforce_eager=False
+GRAPHS = "_graphs"                       # a variant run through the engine's compiled step
 BATCH1_VARIANTS = ("fp32", "int8", "int8_lm_head", "int4", "int4_int8_lm_head")
 
 
@@ -212,15 +218,22 @@ def build_variant(name: str):
 def engine(args) -> dict:
     from minillm.lab.profiling import decode_engine, profile_steps
     n = max(args.batches)
-    models = {name: build_variant(name) for name in ENGINE_VARIANTS if name in ENGINE_SYSTEMS}
+    names = [v for v in ENGINE_SYSTEMS if v in (args.variants or ENGINE_SYSTEMS)]
+    built = {}                            # a "_graphs" variant runs its eager twin's model
+    for base in dict.fromkeys(name.removesuffix(GRAPHS) for name in names):
+        built[base] = build_variant(base)
+    models = {name: built[name.removesuffix(GRAPHS)] for name in names}
+    eager = {name: not name.endswith(GRAPHS) for name in names}
     runs = {name: [] for name in models}
     hf = []
-    for m, tok in models.values():
-        decode_run(m, tok, 1, 4)                                         # warm-up
+    for name, (m, tok) in models.items():                                # warm-up (and the
+        decode_run(m, tok, 1, 4, eager[name])                            # graphs' compiles,
+        if not eager[name]:                                              # at both batch
+            decode_run(m, tok, n, 4, eager[name])                        # sizes)
     for _ in range(args.repeats):                                        # interleaved rounds
         hf.append(hf_static(n, args.max_tokens))
         for name, (m, tok) in models.items():
-            runs[name].append(decode_run(m, tok, n, args.max_tokens))
+            runs[name].append(decode_run(m, tok, n, args.max_tokens, eager[name]))
             print(name, runs[name][-1], flush=True)
     hf_best = max(hf, key=lambda r: r["tokens_per_s"])
     rows = {}
@@ -229,10 +242,12 @@ def engine(args) -> dict:
         rows[name] = dict(best, tokens_per_s=best["tokens"] / best["wall_s"],
                           vs_hf_static=best["tokens"] / best["wall_s"] / hf_best["tokens_per_s"],
                           weight_bytes=weight_bytes(models[name][0]),
-                          walls=[r["wall_s"] for r in rs])
+                          walls=[r["wall_s"] for r in rs], enforce_eager=eager[name])
     fastest = max(rows, key=lambda k: rows[k]["tokens_per_s"])
-    profiles = {}
-    for name in dict.fromkeys(("fp32", "int8", fastest)):
+    profiles = {}                                 # eager steps only: the profiler's op split
+    fastest_eager = max((k for k in rows if eager[k]), key=lambda k: rows[k]["tokens_per_s"],
+                        default=None)
+    for name in dict.fromkeys(k for k in ("fp32", "int8", fastest_eager) if k in rows):
         p = profile_steps(decode_engine(models[name][0], n, 16, max_new_tokens=64))
         profiles[name] = {"step_ms": p.step_ms, "gemm_ms": p.gemm_ms, "other_ms": p.other_ms,
                           "ops_per_step": p.ops_per_step, "top_ops": p.rows[:8]}
@@ -269,6 +284,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--lm-head", action="store_true",
                    help="quality: int8 and int4 with and without the LM head quantized")
+    p.add_argument("--variants", nargs="+", choices=ENGINE_SYSTEMS, default=None,
+                   help="engine: the variants to time (default: all of ENGINE_SYSTEMS); a "
+                        "'_graphs' one runs with enforce_eager=False (the compiled step)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
