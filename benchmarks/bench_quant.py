@@ -29,7 +29,9 @@ side by side, best of `--repeats` interleaved rounds; and a torch.profiler split
 step (GEMM vs everything else) for the fp32, int8 and fastest eager variants. A variant named
 "..._graphs" is its eager twin's model run with enforce_eager=False (each step through the
 compiled graph of minillm/engine/compiled.py; compiled during the warm-up, at both batch sizes);
-`--variants` picks which run (default: all of ENGINE_SYSTEMS).
+one named "..._plain..." runs with `Int8Linear.PACKED_ORDER` off (from DEQUANT_ROWS rows the
+int8 weight expands into a plain bf16 matrix instead of oneDNN's packed layout: the A/B of that
+choice in one run); `--variants` picks which run (default: all of ENGINE_SYSTEMS).
 
 batch1: the batch-1 decode step of fp32, int8 and int4 decoder layers, each also with an int8 LM
 head (`quantize_model(..., quantize_lm_head="int8")`: the head is a fifth of SmolLM2's weights,
@@ -201,8 +203,27 @@ ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM
 ENGINE_SYSTEMS = ("fp32", "bf16", "int8", "bf16_int8", "int8_lm_head", "bf16_int8_lm_head",
                   "int4_lm_head", "bf16_int4_lm_head",    # what `engine` times; "_graphs":
                   "fp32_graphs", "bf16_graphs", "int8_graphs", "bf16_int8_graphs",
-                  "int4_lm_head_graphs")                  # the same with enforce_eager=False
+                  "int4_lm_head_graphs",                  # the same with enforce_eager=False;
+                  "bf16_int8_plain", "bf16_int8_plain_graphs")   # "_plain": Int8Linear's
 GRAPHS = "_graphs"                       # a variant run through the engine's compiled step
+PLAIN = "_plain"                         # ... with PACKED_ORDER off (a plain bf16 expansion)
+
+
+def base_variant(name: str) -> str:
+    """The ENGINE_VARIANTS entry whose model a variant runs."""
+    return name.removesuffix(GRAPHS).removesuffix(PLAIN)
+
+
+def run_variant(name, model, tok, batch: int, max_tokens: int) -> dict:
+    """decode_run as the variant's name says: eager or compiled, int8 expanded into oneDNN's
+    packed order or into a plain matrix."""
+    from minillm.quant import Int8Linear
+    saved = Int8Linear.PACKED_ORDER
+    Int8Linear.PACKED_ORDER = PLAIN not in name
+    try:
+        return decode_run(model, tok, batch, max_tokens, enforce_eager=not name.endswith(GRAPHS))
+    finally:
+        Int8Linear.PACKED_ORDER = saved
 BATCH1_VARIANTS = ("fp32", "int8", "int8_lm_head", "int4", "int4_int8_lm_head")
 
 
@@ -219,21 +240,21 @@ def engine(args) -> dict:
     from minillm.lab.profiling import decode_engine, profile_steps
     n = max(args.batches)
     names = [v for v in ENGINE_SYSTEMS if v in (args.variants or ENGINE_SYSTEMS)]
-    built = {}                            # a "_graphs" variant runs its eager twin's model
-    for base in dict.fromkeys(name.removesuffix(GRAPHS) for name in names):
+    built = {}                            # "_graphs", "_plain": the eager twin's model
+    for base in dict.fromkeys(map(base_variant, names)):
         built[base] = build_variant(base)
-    models = {name: built[name.removesuffix(GRAPHS)] for name in names}
+    models = {name: built[base_variant(name)] for name in names}
     eager = {name: not name.endswith(GRAPHS) for name in names}
     runs = {name: [] for name in models}
     hf = []
     for name, (m, tok) in models.items():                                # warm-up (and the
-        decode_run(m, tok, 1, 4, eager[name])                            # graphs' compiles,
+        run_variant(name, m, tok, 1, 4)                                  # graphs' compiles,
         if not eager[name]:                                              # at both batch
-            decode_run(m, tok, n, 4, eager[name])                        # sizes)
+            run_variant(name, m, tok, n, 4)                              # sizes)
     for _ in range(args.repeats):                                        # interleaved rounds
         hf.append(hf_static(n, args.max_tokens))
         for name, (m, tok) in models.items():
-            runs[name].append(decode_run(m, tok, n, args.max_tokens, eager[name]))
+            runs[name].append(run_variant(name, m, tok, n, args.max_tokens))
             print(name, runs[name][-1], flush=True)
     hf_best = max(hf, key=lambda r: r["tokens_per_s"])
     rows = {}
@@ -242,10 +263,13 @@ def engine(args) -> dict:
         rows[name] = dict(best, tokens_per_s=best["tokens"] / best["wall_s"],
                           vs_hf_static=best["tokens"] / best["wall_s"] / hf_best["tokens_per_s"],
                           weight_bytes=weight_bytes(models[name][0]),
-                          walls=[r["wall_s"] for r in rs], enforce_eager=eager[name])
+                          walls=[r["wall_s"] for r in rs], enforce_eager=eager[name],
+                          vs_hf_rounds=[r["tokens"] / r["wall_s"] / h["tokens_per_s"]
+                                        for h, r in zip(hf, rs)])    # each round's own HF
     fastest = max(rows, key=lambda k: rows[k]["tokens_per_s"])
     profiles = {}                                 # eager steps only: the profiler's op split
-    fastest_eager = max((k for k in rows if eager[k]), key=lambda k: rows[k]["tokens_per_s"],
+    fastest_eager = max((k for k in rows if eager[k] and PLAIN not in k),
+                        key=lambda k: rows[k]["tokens_per_s"],
                         default=None)
     for name in dict.fromkeys(k for k in ("fp32", "int8", fastest_eager) if k in rows):
         p = profile_steps(decode_engine(models[name][0], n, 16, max_new_tokens=64))
