@@ -5,6 +5,7 @@
     python benchmarks/bench_quant.py kv      --threads 2    # fp8 KV cache: quality, capacity
     python benchmarks/bench_quant.py engine  --threads 2    # engine vs transformers, 16 requests
     python benchmarks/bench_quant.py batch1  --threads 2 --repeats 5   # batch 1, LM head too
+    python benchmarks/bench_quant.py packed_order --batches 8 16 --repeats 7   # int8 A/B
 
 speed: the engine (minillm.LLM, greedy, ignore_eos) decodes `--max-tokens` tokens for B prompts
 of 16 tokens at B = 1, 4, 16, with the bundled SmolLM2-135M in fp32, bf16, int8 and int4 (RTN,
@@ -37,6 +38,10 @@ batch1: the batch-1 decode step of fp32, int8 and int4 decoder layers, each also
 head (`quantize_model(..., quantize_lm_head="int8")`: the head is a fifth of SmolLM2's weights,
 and in fp32 it is half of what an int8 model reads per step), in `--repeats` interleaved rounds
 (A B C ... A B C ...), median step per format and every round kept.
+
+packed_order: `Int8Linear.PACKED_ORDER` on and off (the int8 weight expanded into oneDNN's
+packed layout, or into a plain matrix, from `DEQUANT_ROWS` rows), alternating on one model in
+one process: median decode step per batch size, a 256-token prefill, and the argmax agreement.
 
 Each writes JSON to benchmarks/results/ (device, date, command, load average, versions).
 """
@@ -298,9 +303,50 @@ def batch1(args) -> dict:
             "targets": "int8 >= 1.5x and int4 >= 2x fp32 decode throughput at batch 1"}
 
 
+def packed_order(args) -> dict:
+    """Int8Linear.PACKED_ORDER on and off, alternating round by round on ONE bf16 model with
+    int8 decoder layers (eager): the median decode step at each batch size and a 256-token
+    prefill, and whether the greedy tokens agree."""
+    from minillm.quant import Int8Linear
+    model, tok = build_variant("bf16_int8")
+    x = torch.tensor([prompts_for(tok, 16)]).view(1, -1)                # [1, 256]
+    sides = {"packed": True, "plain": False}
+    steps = {name: {b: [] for b in args.batches} for name in sides}
+    prefill = {name: [] for name in sides}
+    tokens = {}
+    saved = Int8Linear.PACKED_ORDER
+    try:
+        for flag in sides.values():                                     # warm-up (builds the
+            Int8Linear.PACKED_ORDER = flag                              # packed-order copies)
+            decode_run(model, tok, max(args.batches), 4)
+        for _ in range(args.repeats):
+            for name, flag in sides.items():
+                Int8Linear.PACKED_ORDER = flag
+                for b in args.batches:
+                    steps[name][b].append(decode_run(model, tok, b, args.max_tokens)
+                                          ["decode_step_s"])
+                with torch.inference_mode():
+                    prefill[name].append(best_time(lambda: model(x, last_only=True), repeats=1))
+                    tokens[name] = model(x).argmax(-1)
+            print({n: {b: round(v[-1] * 1e3, 1) for b, v in s.items()} for n, s in steps.items()},
+                  flush=True)
+    finally:
+        Int8Linear.PACKED_ORDER = saved
+    med = {n: {b: statistics.median(v) for b, v in s.items()} for n, s in steps.items()}
+    return {"rounds": args.repeats, "model": "bf16 with int8 decoder layers (bf16_int8)",
+            "decode_step_s": steps, "median_decode_step_s": med,
+            "plain_over_packed": {b: med["plain"][b] / med["packed"][b] for b in args.batches},
+            "prefill_256_s": prefill,
+            "prefill_plain_over_packed": statistics.median(prefill["plain"])
+            / statistics.median(prefill["packed"]),
+            "same_argmax_fraction": float((tokens["packed"] == tokens["plain"]).float().mean()),
+            "dequant_rows": Int8Linear.DEQUANT_ROWS}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("part", choices=("speed", "quality", "kv", "engine", "batch1"))
+    p.add_argument("part", choices=("speed", "quality", "kv", "engine", "batch1",
+                                    "packed_order"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64])
@@ -323,7 +369,7 @@ def main(argv=None):
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__}}
     record.update({"speed": speed, "quality": quality, "kv": kv, "engine": engine,
-                   "batch1": batch1}[args.part](args))
+                   "batch1": batch1, "packed_order": packed_order}[args.part](args))
     record["load_after"] = os.getloadavg()[0]
     out = Path(args.out) if args.out else RESULTS / f"quant_{args.part}_cpu_{now:%Y%m%d}.json"
     out.write_text(json.dumps(record, indent=1))
