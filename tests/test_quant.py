@@ -106,6 +106,7 @@ def test_onednn_order_expands_into_a_packed_weight(n, k):
     torch.manual_seed(n + k)
     perm = onednn_order.order(n, k)
     assert perm is not None and int((perm > 0).sum()) == n * k             # a permutation
+    assert onednn_order.order(1 << 12, 1 << 12) is None                    # MAX_ENTRIES: plain
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     x = torch.randn(5, k).to(torch.bfloat16)
     ref = x.float() @ q.float().T                                           # fp32 twin

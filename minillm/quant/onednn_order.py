@@ -50,16 +50,26 @@ def _buffer(packed):
         return torch.frombuffer(raw, dtype=torch.bfloat16)
 
 
+# The largest weight given a packed order: three base-256 digits cover it, and its permutation
+# (kept per shape, 4 bytes an entry) stays small next to the weight. SmolLM2's decoder weights
+# have at most 1.8 M entries; its 28 M-entry LM head, quantized to int8, expands plainly (the
+# permutation alone would be 113 MB).
+MAX_ENTRIES = 1 << 24
+
+
 @functools.lru_cache(maxsize=None)
 def order(n: int, k: int):
     """For each bf16 slot of the packed [n, k] weight, 1 + the flat index of the entry it holds
-    (0: padding); None if the reorder is not a permutation of the entries."""
-    index = torch.arange(1, n * k + 1)
+    (0: padding), as int32; None for a weight of MAX_ENTRIES entries or more, or if the reorder
+    is not a permutation of the entries."""
+    if n * k >= MAX_ENTRIES:
+        return None
+    index = torch.arange(1, n * k + 1, dtype=torch.int32)
     out = None
     digit = 0
     while 256 ** digit <= n * k:
         packed = _pack(((index // 256 ** digit) % 256).to(torch.bfloat16).view(n, k))
-        part = _buffer(packed).long() * 256 ** digit              # copied before packed goes
+        part = _buffer(packed).to(torch.int32) * 256 ** digit    # copied before packed goes
         out = part if out is None else out + part
         digit += 1
     counts = torch.bincount(out, minlength=n * k + 1)
@@ -74,7 +84,7 @@ def pack_int8(q):
     perm = order(*q.shape)
     if perm is None:
         return None
-    return torch.cat((q.new_zeros(1), q.reshape(-1)))[perm]
+    return torch.cat((q.new_zeros(1), q.reshape(-1)))[perm.long()]
 
 
 class _Scratch(threading.local):
