@@ -139,6 +139,11 @@ def test_int8_layer_uses_the_packed_order_and_follows_its_weight(monkeypatch):
                                    atol=3e-2, rtol=2e-2)
     import copy
     assert "_packed_q" in ql.__dict__ and "_packed_q" not in copy.deepcopy(ql).__dict__
+    traced = torch.compile(ql, backend="eager", fullgraph=True)     # a trace: the plain path
+    with torch.no_grad():
+        n, out = len(calls), traced(x)
+        assert len(calls) == n                              # no scratch inside a trace
+        torch.testing.assert_close(out, ql(x), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 33])

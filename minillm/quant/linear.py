@@ -175,8 +175,9 @@ class Int8Linear(QuantLinear):
     def kernel(self, x):                                     # x [M, K] bf16 -> [M, N] bf16
         if x.shape[0] < self.DEQUANT_ROWS:
             return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale_bf16)
-        packed_q = self.packed_order()
-        if packed_q is not None:
+        packed_q = None if torch.compiler.is_compiling() else self.packed_order()
+        if packed_q is not None:                             # (a trace takes the plain path:
+                                                             # the scratch is raw memory)
             out = onednn_order.product(x, packed_q, self.out_features, self.in_features)
         else:
             out = F.linear(x, self.qweight.to(torch.bfloat16))
