@@ -1,11 +1,12 @@
 """int8 weights kept in oneDNN's packed order, so that expanding them gives a packed bf16 weight.
 
-From 16 rows on, `Int8Linear` expands its int8 weight to bf16 and runs one bf16 product (aten's
-int8 kernel expands the weight again for every row). Which bf16 product matters: oneDNN's on a
-weight it has packed into its own blocked layout beforehand (what `model.Linear` does for bf16
-weights) ran SmolLM2's 30 decoder layers at 16 rows in 15.3 ms on the course's AMD CPU, against
-24 ms for the same product on the plain [N, K] matrix (2 threads; scratch microbenchmark, the
-measurement recorded by `bench_quant.py engine` is the engine's). Packing is a reorder, too
+From `Int8Linear.DEQUANT_ROWS` rows on, an int8 layer expands its weight to bf16 and runs one
+bf16 product (aten's int8 kernel expands the weight again for every row). Which bf16 product
+matters: oneDNN's on a weight it has packed into its own blocked layout beforehand (what
+`model.Linear` does for bf16 weights) ran SmolLM2's 30 decoder layers at 16 rows in 15.3 ms on
+the course's AMD CPU, against 24 ms for the same product on the plain [N, K] matrix (2 threads,
+a scratch microbenchmark; in the engine: `bench_quant.py engine` and `packed_order`, chapter
+09). Packing is a reorder, too
 slow to repeat every step. But a reorder only moves elements: the packed layout is a fixed
 permutation of the matrix's N * K entries (plus padding). So the int8 values are stored once in
 that order, and each step's int8 -> bf16 conversion writes them straight into a packed bf16
