@@ -205,13 +205,14 @@ ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM
 }
 
 
+# What `engine` times: the variants above; each "_graphs" one the same model with
+# enforce_eager=False (the engine's compiled step); each "_plain" one with
+# Int8Linear.PACKED_ORDER off (int8 expanded into a plain bf16 matrix)
 ENGINE_SYSTEMS = ("fp32", "bf16", "int8", "bf16_int8", "int8_lm_head", "bf16_int8_lm_head",
-                  "int4_lm_head", "bf16_int4_lm_head",    # what `engine` times; "_graphs":
+                  "int4_lm_head", "bf16_int4_lm_head",
                   "fp32_graphs", "bf16_graphs", "int8_graphs", "bf16_int8_graphs",
-                  "int4_lm_head_graphs",                  # the same with enforce_eager=False;
-                  "bf16_int8_plain", "bf16_int8_plain_graphs")   # "_plain": Int8Linear's
-GRAPHS = "_graphs"                       # a variant run through the engine's compiled step
-PLAIN = "_plain"                         # ... with PACKED_ORDER off (a plain bf16 expansion)
+                  "int4_lm_head_graphs", "bf16_int8_plain", "bf16_int8_plain_graphs")
+GRAPHS, PLAIN = "_graphs", "_plain"
 
 
 def base_variant(name: str) -> str:
@@ -229,6 +230,8 @@ def run_variant(name, model, tok, batch: int, max_tokens: int) -> dict:
         return decode_run(model, tok, batch, max_tokens, enforce_eager=not name.endswith(GRAPHS))
     finally:
         Int8Linear.PACKED_ORDER = saved
+
+
 BATCH1_VARIANTS = ("fp32", "int8", "int8_lm_head", "int4", "int4_int8_lm_head")
 
 
@@ -356,7 +359,8 @@ def main(argv=None):
                    help="quality: int8 and int4 with and without the LM head quantized")
     p.add_argument("--variants", nargs="+", choices=ENGINE_SYSTEMS, default=None,
                    help="engine: the variants to time (default: all of ENGINE_SYSTEMS); a "
-                        "'_graphs' one runs with enforce_eager=False (the compiled step)")
+                        "'_graphs' one runs with enforce_eager=False (the compiled step), a "
+                        "'_plain' one with Int8Linear.PACKED_ORDER off")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
