@@ -278,16 +278,21 @@ class Linear(nn.Linear):
         packed sgemm layout for fp32 when `MKL` (or, left None, `mkl_preferred_here`) says so,
         else oneDNN's blocked layout; None where this torch cannot pack it."""
         w = self.weight
-        try:
-            version = w._version
-        except RuntimeError:                                 # an inference tensor: no counter
-            version = None
         mkl = mkl_preferred_here() if self.MKL is None else self.MKL
-        key = (w.data_ptr(), version, w.dtype, tuple(w.shape), mkl)
+        key = (w.data_ptr(), tensor_version(w), w.dtype, tuple(w.shape), mkl)
         if self.__dict__.get("_packed_key") != key:
             self.__dict__["_packed_key"] = key
             self.__dict__["_packed_for"], self.__dict__["_packed"] = _prepack(w.detach(), mkl)
         return self.__dict__["_packed"]
+
+
+def tensor_version(t: torch.Tensor):
+    """The tensor's version counter (bumped by every in-place write), None for an inference
+    tensor, which has none. With its data_ptr, what says a copy made from it is stale."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def packed_product(x, packed, w, bias=None, mkl: bool = False):

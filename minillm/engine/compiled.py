@@ -92,6 +92,7 @@ import torch
 
 from ..cache.paged import PagedKVCache
 from ..kernels.batched import slot_table
+from ..model import tensor_version
 from .cuda_graphs import decode_forward
 
 logger = logging.getLogger(__name__)
@@ -341,7 +342,7 @@ class CompiledStep:
         if int(meta.positions.max()) >= self.limit:
             return None                                      # the eager forward says why
         if self.switches != _switches() or any(         # Linear's switches flipped, or a
-                m._parameters["weight"] is not w or _version(w) != v   # weight changed (a
+                m._parameters["weight"] is not w or tensor_version(w) != v   # weight changed (a
                 for m, w, v in self.weights):                # load, an in-place update)
             self._refresh()
         self.cache.set_step(meta)
@@ -379,7 +380,7 @@ class CompiledStep:
     def _weight_versions(self) -> list:
         """Each packed layer, its weight and the weight's version counter (checked before each
         step: ~15 us for 121 layers, where asking each layer, `prepacked`, takes ~0.2 ms)."""
-        return [(m, w, _version(w)) for m, w in
+        return [(m, w, tensor_version(w)) for m, w in
                 ((m, m._parameters["weight"]) for m in self.packed)]
 
     def _traced_decode(self, meta) -> bool:
@@ -389,13 +390,6 @@ class CompiledStep:
                 and bool((meta.slot_mapping >= 0).all()))
 
 
-def _version(w: torch.Tensor):
-    """The tensor's version counter (bumped by every in-place write), None for an inference
-    tensor, which has none."""
-    try:
-        return w._version
-    except RuntimeError:
-        return None
 
 
 def _is_compiler_failure(e: Exception) -> bool:
@@ -403,4 +397,3 @@ def _is_compiler_failure(e: Exception) -> bool:
     forward it compiles (those raise in eager mode too and are the caller's to report)."""
     from torch._dynamo.exc import BackendCompilerFailed, TorchDynamoException
     return isinstance(e, (BackendCompilerFailed, TorchDynamoException))
-

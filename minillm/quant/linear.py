@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..model import tensor_version
 from . import onednn_order
 from .rtn import (check_group_size, dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
                   quantize_int8, unpack_int4)
@@ -162,11 +163,7 @@ class Int8Linear(QuantLinear):
         if not (self.PACKED_ORDER and onednn_order.available()):
             return None
         q = self.qweight
-        try:
-            version = q._version
-        except RuntimeError:                                 # an inference tensor: no counter
-            version = None
-        key = (q.data_ptr(), version, tuple(q.shape))
+        key = (q.data_ptr(), tensor_version(q), tuple(q.shape))
         if self.__dict__.get("_packed_key") != key:
             self.__dict__["_packed_key"] = key
             self.__dict__["_packed_q"] = onednn_order.pack_int8(q)
