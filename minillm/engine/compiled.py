@@ -390,8 +390,6 @@ class CompiledStep:
                 and bool((meta.slot_mapping >= 0).all()))
 
 
-
-
 def _is_compiler_failure(e: Exception) -> bool:
     """A failure of torch.compile itself (Dynamo, Inductor, the C++ toolchain), not of the
     forward it compiles (those raise in eager mode too and are the caller's to report)."""
