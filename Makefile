@@ -44,11 +44,12 @@ test: lint unit nbval
 lint: $(STAMP)
 	$(BIN)/ruff check minillm tests benchmarks
 
+# --durations: the slowest tests and notebook cells close the log (what to trim when CI grows)
 unit: $(STAMP)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest --durations=20 tests
 
 nbval: $(STAMP)
-	$(BIN)/python -m pytest --nbval-lax --nbval-cell-timeout=$(NB_TIMEOUT) -p no:randomly notebooks solutions
+	$(BIN)/python -m pytest --durations=10 --nbval-lax --nbval-cell-timeout=$(NB_TIMEOUT) -p no:randomly notebooks solutions
 
 # GPU: kernel tests run natively on CUDA (conftest.py sets TRITON_INTERPRET only without CUDA, and
 # `env -u` drops a value inherited from the shell), then the lectures under nbval on the GPU.

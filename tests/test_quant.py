@@ -79,19 +79,42 @@ def test_int8_kernel_matches_twin(rows, bias):
     assert (ref - lin(x)).abs().max() < 0.05 * lin(x).abs().max()       # and near the fp32 layer
 
 
-def test_int8_kernel_dequantizes_once_from_dequant_rows(monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_kernel_expands_once_from_the_crossover(monkeypatch, dtype):
+    """Below the crossover aten's int8 kernel (bf16 activations); from it on one expansion of
+    the weight into `dtype` and one product; the fp32 expansion computes the kernel's numbers
+    (bf16 activations and scales, bf16 out), so a batch and a single row agree."""
     calls = []
     real = torch.ops.aten._weight_int8pack_mm
     monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm",
                         lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    monkeypatch.setattr(Int8Linear, "EXPAND_DTYPE", dtype)
     ql = Int8Linear(torch.nn.Linear(64, 32, bias=False))
-    rows = (1, ql.DEQUANT_ROWS - 1, ql.DEQUANT_ROWS, 100)
+    got, start = ql.expansion()
+    assert got == dtype and start == (ql.DEQUANT_ROWS if dtype == torch.bfloat16
+                                      else ql.DEQUANT_ROWS_FP32)
+    rows = (1, start - 1, start, 100)
     with torch.no_grad():
         for m in rows:
             x = torch.randn(m, 64)
-            torch.testing.assert_close(ql(x), int8_linear_ref(x, ql.qweight, ql.scale),
+            out = ql(x)
+            torch.testing.assert_close(out, int8_linear_ref(x, ql.qweight, ql.scale),
                                        atol=3e-2, rtol=2e-2)
-    assert calls == [1, ql.DEQUANT_ROWS - 1]                 # the packed kernel below only
+            if dtype == torch.float32:                       # the kernel's numbers, any rows
+                kernel = real(x.to(torch.bfloat16), ql.qweight, ql.scale_bf16).float()
+                torch.testing.assert_close(out, kernel, atol=1e-6, rtol=2 ** -8)  # 1 bf16 ulp
+    assert calls == [1, start - 1]                           # the packed kernel below only
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_int8_expansion_follows_the_cpus_bf16(monkeypatch, native):
+    """bf16 from DEQUANT_ROWS where the CPU multiplies bf16 natively; fp32 from
+    DEQUANT_ROWS_FP32 where torch would emulate bf16 (several times slower than fp32)."""
+    from minillm.quant import linear
+    monkeypatch.setattr(linear, "_native_bf16", lambda: native)
+    want = ((torch.bfloat16, Int8Linear.DEQUANT_ROWS) if native
+            else (torch.float32, Int8Linear.DEQUANT_ROWS_FP32))
+    assert Int8Linear.expansion() == want
 
 
 needs_onednn_order = pytest.mark.skipif(not onednn_order.available(),
@@ -125,6 +148,7 @@ def test_int8_layer_uses_the_packed_order_and_follows_its_weight(monkeypatch):
     monkeypatch.setattr(onednn_order, "product", lambda x, *a: calls.append(x.shape[0])
                         or real(x, *a))
     torch.manual_seed(0)
+    monkeypatch.setattr(Int8Linear, "EXPAND_DTYPE", torch.bfloat16)    # (what the order is for)
     ql = Int8Linear(nn.Linear(64, 48, bias=True))
     x = torch.randn(ql.DEQUANT_ROWS + 3, 64)
     with torch.no_grad():

@@ -11,9 +11,10 @@ takes the packed weights:
                                                      scales_and_zeros [K/g, N, 2])
 
 Both CPU kernels are fast with bfloat16 activations only (with fp32 activations they fall back
-to a slow path on this course's CPU), so the layer casts its input to bf16 and its output back:
-the rest of the model keeps its own dtype. The int4 kernel dequantizes as (q - 8) * scale + z,
-so our integer zero point becomes z = (8 - zero) * scale (the same numbers, another bookkeeping).
+to a slow path, on CPUs with native bf16 and without), so the layer casts its input to bf16 and
+its output back: the rest of the model keeps its own dtype. The int4 kernel dequantizes as
+(q - 8) * scale + z, so our integer zero point becomes z = (8 - zero) * scale (the same numbers,
+another bookkeeping). From a few rows on, int8 expands its weight instead (`Int8Linear`).
 
 On a CUDA device int4 runs the Triton dequant-GEMM of `minillm/kernels/int4_gemm.py`: it reads
 the same packed nibbles, scales and zero points the twin reads, expands them in registers and
@@ -30,10 +31,13 @@ interpreter; `set_impl(model, ...)` sets every quantized layer of a model).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..loader import cpu_has_native_bf16
 from ..model import tensor_version
 from . import onednn_order
 from .rtn import (check_group_size, dequantize_int4, dequantize_int8, pack_int4, quantize_int4,
@@ -53,6 +57,11 @@ def int4_linear_ref(x, q, scale, zero, bias=None):
 
 
 IMPLS = (None, "packed", "triton", "reference")
+
+
+@functools.lru_cache(maxsize=None)
+def _native_bf16() -> bool:                      # asked once: Int8Linear asks on every call
+    return cpu_has_native_bf16()
 
 
 def _packed_kernels_here(device) -> bool:
@@ -95,8 +104,8 @@ class QuantLinear(nn.Module):
         if impl == "reference":
             out = self.reference(flat)
         else:
-            if impl == "packed":                             # bf16 in, bf16 out (see above)
-                out = self.kernel(flat.to(torch.bfloat16)).to(x.dtype)   # [M, N]
+            if impl == "packed":                             # the kernel picks its dtype
+                out = self.kernel(flat).to(x.dtype)          # [M, N]
             else:
                 out = self.triton_kernel(flat)               # [M, N] in x's dtype
             if self.bias is not None:
@@ -135,18 +144,33 @@ class Int8Linear(QuantLinear):
 
     # aten's int8 kernel dequantizes the weight again for every row it multiplies: its time
     # grows with the rows (30 gate_up layers on a 2-core Xeon: 2.3 ms at 1 row, 12.8 at 16,
-    # 24.0 at 32). Dequantizing once to bf16 and running one GEMM costs about the same at any
-    # row count (8.9 / 10.2 / 11.5 ms), so from DEQUANT_ROWS rows on (batched decode, prefill)
-    # the layer does that; it reads more bytes than the int8 kernel, which only pays below.
-    # Where oneDNN can take it (`onednn_order`), the expansion writes into a weight already in
-    # oneDNN's packed layout (a copy of the int8 values kept in that order, made at the first
-    # such call), and the bf16 product on a packed weight is the fast one at these row counts.
-    # With that, the crossover on the course's AMD CPU (all 30 layers' products, 2 threads,
-    # scratch microbenchmark, medians of 11): aten's kernel 12.9 ms at 4 rows, 29.5 at 6; the
-    # expansion 17.8 and 18.3. (The Xeon's crossover, measured before the packed order, was
-    # near 16 rows; it has not been measured again.)
+    # 24.0 at 32). Expanding the weight once and running one GEMM costs about the same at any
+    # row count (8.9 / 10.2 / 11.5 ms in bf16 there), so from a crossover row count on (batched
+    # decode, prefill) the layer does that; it reads more bytes than the int8 kernel, which only
+    # pays below. Into which dtype depends on the CPU (`expansion`):
+    # - with native bf16 (AVX512_BF16 or AMX), bf16. Where oneDNN can take it (`onednn_order`),
+    #   the expansion writes into a weight already in oneDNN's packed layout (a copy of the int8
+    #   values kept in that order, made at the first such call): the bf16 product on a packed
+    #   weight is the fast one at these row counts. The crossover on the course's AMD EPYC
+    #   (all 30 layers' products, 2 threads, scratch microbenchmark, medians of 11): aten's
+    #   kernel 12.9 ms at 4 rows, 29.5 at 6; the expansion 17.8 and 18.3: DEQUANT_ROWS.
+    # - without it (an AVX2-only CPU, as most laptops are), torch emulates bf16, several times
+    #   slower than fp32, so the layer expands into fp32 and multiplies there. Writing 4 bytes
+    #   per weight makes that expansion dear: on an AMD EPYC without AVX-512 (`bench_quant.py
+    #   int8_rows`, all 30 layers, 2 threads, medians of 7) it beat aten's kernel (whose bf16
+    #   activations cost nothing there: it widens them itself) from 32 rows on only (113.5 vs
+    #   115.2 ms; 167 vs 247 at 64, 86 vs 79 at 24; the bf16 expansion took 426, 816 and 301):
+    #   DEQUANT_ROWS_FP32.
     DEQUANT_ROWS = 5
+    DEQUANT_ROWS_FP32 = 32
+    EXPAND_DTYPE = None                      # None: by the CPU (above); or a dtype, forced
     PACKED_ORDER = True                      # False: expand to a plain [N, K] bf16 matrix
+
+    @classmethod
+    def expansion(cls) -> tuple:
+        """(dtype the weight expands into, rows from which it does) on this CPU."""
+        dtype = cls.EXPAND_DTYPE or (torch.bfloat16 if _native_bf16() else torch.float32)
+        return dtype, cls.DEQUANT_ROWS if dtype == torch.bfloat16 else cls.DEQUANT_ROWS_FP32
 
     _PACKED_STATE = ("_packed_q", "_packed_key")
 
@@ -169,15 +193,23 @@ class Int8Linear(QuantLinear):
             self.__dict__["_packed_q"] = onednn_order.pack_int8(q)
         return self.__dict__["_packed_q"]
 
-    def kernel(self, x):                                     # x [M, K] bf16 -> [M, N] bf16
-        if x.shape[0] < self.DEQUANT_ROWS:
-            return torch.ops.aten._weight_int8pack_mm(x, self.qweight, self.scale_bf16)
+    def kernel(self, x):                                     # x [M, K] -> [M, N]
+        dtype, rows = self.expansion()
+        if x.shape[0] < rows:                                # bf16 in, bf16 out
+            return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight,
+                                                      self.scale_bf16)
+        if dtype == torch.float32:                           # no native bf16 (see above):
+            x = x.to(torch.bfloat16).float()                 # the kernel's numbers (bf16 in,
+            out = F.linear(x, self.qweight.float()) * self.scale_bf16.float()   # bf16 scales,
+            return out.to(torch.bfloat16)                    # bf16 out), so that a batch and
+                                                             # a single row agree
+        x = x.to(dtype)
         packed_q = None if torch.compiler.is_compiling() else self.packed_order()
         if packed_q is not None:                             # (a trace takes the plain path:
                                                              # the scratch is raw memory)
             out = onednn_order.product(x, packed_q, self.out_features, self.in_features)
         else:
-            out = F.linear(x, self.qweight.to(torch.bfloat16))
+            out = F.linear(x, self.qweight.to(dtype))
         return out * self.scale_bf16
 
     def reference(self, x):
@@ -215,8 +247,9 @@ class Int4Linear(QuantLinear):
             self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", sz.contiguous().to(torch.bfloat16))
 
-    def kernel(self, x):                                     # x [M, K] bf16 -> [M, N] bf16
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
+    def kernel(self, x):                                     # x [M, K] -> [M, N] bf16
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
+                                                          self.group_size,
                                                           self.scales_and_zeros)
 
     def triton_kernel(self, x):                              # x [M, K] -> [M, N], x's dtype
