@@ -6,6 +6,7 @@
     python benchmarks/bench_quant.py engine  --threads 2    # engine vs transformers, 16 requests
     python benchmarks/bench_quant.py batch1  --threads 2 --repeats 5   # batch 1, LM head too
     python benchmarks/bench_quant.py packed_order --batches 8 16 --repeats 7   # int8 A/B
+    python benchmarks/bench_quant.py int8_rows --repeats 7   # where int8 should expand, by rows
 
 speed: the engine (minillm.LLM, greedy, ignore_eos) decodes `--max-tokens` tokens for B prompts
 of 16 tokens at B = 1, 4, 16, with the bundled SmolLM2-135M in fp32, bf16, int8 and int4 (RTN,
@@ -32,7 +33,9 @@ step (GEMM vs everything else) for the fp32, int8 and fastest eager variants. A 
 compiled graph of minillm/engine/compiled.py; compiled during the warm-up, at both batch sizes);
 one named "..._plain..." runs with `Int8Linear.PACKED_ORDER` off (from DEQUANT_ROWS rows the
 int8 weight expands into a plain bf16 matrix instead of oneDNN's packed layout: the A/B of that
-choice in one run); `--variants` picks which run (default: all of ENGINE_SYSTEMS).
+choice in one run), one named "..._bf16expand" with `Int8Linear.EXPAND_DTYPE` bf16 (on a CPU
+without native bf16, the int8 path as it was before it asked the CPU: the A/B of that);
+`--variants` picks which run (default: all of ENGINE_SYSTEMS).
 
 batch1: the batch-1 decode step of fp32, int8 and int4 decoder layers, each also with an int8 LM
 head (`quantize_model(..., quantize_lm_head="int8")`: the head is a fifth of SmolLM2's weights,
@@ -42,6 +45,13 @@ and in fp32 it is half of what an int8 model reads per step), in `--repeats` int
 packed_order: `Int8Linear.PACKED_ORDER` on and off (the int8 weight expanded into oneDNN's
 packed layout, or into a plain matrix, from `DEQUANT_ROWS` rows), alternating on one model in
 one process: median decode step per batch size, a 256-token prefill, and the argmax agreement.
+
+int8_rows: every decoder layer's product of the bundled model, one path after another in
+`--repeats` interleaved rounds, at 1..256 rows: the fp32 layers (model.Linear, what an fp32
+model runs), aten's int8 kernel (bf16 activations), the int8 weight expanded into fp32 or into
+bf16 and multiplied there, int4 (aten's kernel), and bf16 layers where this CPU has native bf16.
+Where expanding starts to beat aten's int8 kernel, per expansion dtype, is the crossover that
+`Int8Linear.DEQUANT_ROWS` (native bf16) and `DEQUANT_ROWS_FP32` (without) hold.
 
 Each writes JSON to benchmarks/results/ (device, date, command, load average, versions).
 """
@@ -207,29 +217,33 @@ ENGINE_VARIANTS = {                      # name: (model dtype, weight format, LM
 
 # What `engine` times: the variants above; each "_graphs" one the same model with
 # enforce_eager=False (the engine's compiled step); each "_plain" one with
-# Int8Linear.PACKED_ORDER off (int8 expanded into a plain bf16 matrix)
+# Int8Linear.PACKED_ORDER off (int8 expanded into a plain bf16 matrix); each "_bf16expand" one
+# with Int8Linear.EXPAND_DTYPE bf16 (on a CPU without native bf16: the expansion as it was
+# before `Int8Linear.expansion` asked the CPU)
 ENGINE_SYSTEMS = ("fp32", "bf16", "int8", "bf16_int8", "int8_lm_head", "bf16_int8_lm_head",
-                  "int4_lm_head", "bf16_int4_lm_head",
+                  "int4", "int4_lm_head", "bf16_int4_lm_head",
                   "fp32_graphs", "bf16_graphs", "int8_graphs", "bf16_int8_graphs",
-                  "int4_lm_head_graphs", "bf16_int8_plain", "bf16_int8_plain_graphs")
-GRAPHS, PLAIN = "_graphs", "_plain"
+                  "int4_lm_head_graphs", "bf16_int8_plain", "bf16_int8_plain_graphs",
+                  "int8_bf16expand")
+GRAPHS, PLAIN, BF16_EXPAND = "_graphs", "_plain", "_bf16expand"
 
 
 def base_variant(name: str) -> str:
     """The ENGINE_VARIANTS entry whose model a variant runs."""
-    return name.removesuffix(GRAPHS).removesuffix(PLAIN)
+    return name.removesuffix(GRAPHS).removesuffix(PLAIN).removesuffix(BF16_EXPAND)
 
 
 def run_variant(name, model, tok, batch: int, max_tokens: int) -> dict:
     """decode_run as the variant's name says: eager or compiled, int8 expanded into oneDNN's
-    packed order or into a plain matrix."""
+    packed order or into a plain matrix, into bf16 whatever the CPU."""
     from minillm.quant import Int8Linear
-    saved = Int8Linear.PACKED_ORDER
+    saved = Int8Linear.PACKED_ORDER, Int8Linear.EXPAND_DTYPE
     Int8Linear.PACKED_ORDER = PLAIN not in name
+    Int8Linear.EXPAND_DTYPE = torch.bfloat16 if BF16_EXPAND in name else None
     try:
         return decode_run(model, tok, batch, max_tokens, enforce_eager=not name.endswith(GRAPHS))
     finally:
-        Int8Linear.PACKED_ORDER = saved
+        Int8Linear.PACKED_ORDER, Int8Linear.EXPAND_DTYPE = saved
 
 
 BATCH1_VARIANTS = ("fp32", "int8", "int8_lm_head", "int4", "int4_int8_lm_head")
@@ -346,12 +360,73 @@ def packed_order(args) -> dict:
             "dequant_rows": Int8Linear.DEQUANT_ROWS}
 
 
+INT8_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 64, 256)
+
+
+def int8_rows(args) -> dict:
+    """Median ms of all decoder layers' products per path and row count (see the docstring)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from minillm.loader import cpu_has_native_bf16
+    from minillm.quant import Int4Linear, Int8Linear, decoder_linears
+    from minillm.roofline import interleaved_times
+    fp32, _ = build("fp32")
+    q8 = [m for m in quantize_model(copy.deepcopy(fp32), "int8").layers.modules()
+          if isinstance(m, Int8Linear)]
+    q4 = [m for m in quantize_model(copy.deepcopy(fp32), "int4").layers.modules()
+          if isinstance(m, Int4Linear)]
+    assert len(q8) == len(q4) == len(decoder_linears(fp32))          # every decoder product
+    layers = {"fp32": [m for _, _, m in decoder_linears(fp32)], "int4": q4}
+    native = cpu_has_native_bf16()
+    if native:
+        layers["bf16"] = [m for _, _, m in decoder_linears(copy.deepcopy(fp32).to(torch.bfloat16))]
+    int8 = {"int8_kernel": lambda x, m: torch.ops.aten._weight_int8pack_mm(
+                x.to(torch.bfloat16), m.qweight, m.scale_bf16),
+            "expand_fp32": lambda x, m: (F.linear(x.to(torch.bfloat16).float(), m.qweight.float())
+                                         * m.scale_bf16.float()).to(torch.bfloat16),
+            "expand_bf16": lambda x, m: F.linear(x.to(torch.bfloat16),
+                                                 m.qweight.to(torch.bfloat16)) * m.scale_bf16}
+
+    def run(ms, fn, xs):
+        return lambda: [fn(xs[m.in_features], m) for m in ms]
+
+    def layer_in(dtype):                 # a model's own layer, its input in the layer's dtype
+        return lambda x, m: m(x.to(dtype))
+
+    ms = {}
+    with torch.inference_mode():
+        for rows in args.rows:
+            xs = {k: torch.randn(rows, k) for k in {m.in_features for m in q8}}
+            fns = {name: run(ls, layer_in(torch.bfloat16 if name == "bf16" else torch.float32),
+                             xs) for name, ls in layers.items()}
+            fns.update({name: run(q8, fn, xs) for name, fn in int8.items()})
+            times = interleaved_times(fns, repeats=args.repeats)
+            ms[rows] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+            print(rows, {k: round(v, 1) for k, v in ms[rows].items()}, flush=True)
+
+    def crossover(path):                 # the fewest rows from which expanding beats the kernel
+        wins = [r for r in args.rows if ms[r][path] < ms[r]["int8_kernel"]]
+        return next((r for r in wins if all(q in wins for q in args.rows if q >= r)), None)
+
+    return {"rows": args.rows, "rounds": args.repeats, "median_ms": ms, "native_bf16": native,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "crossover_rows": {p: crossover(p) for p in ("expand_fp32", "expand_bf16")},
+            "policy": {"dequant_rows": Int8Linear.DEQUANT_ROWS,
+                       "dequant_rows_fp32": Int8Linear.DEQUANT_ROWS_FP32,
+                       "expansion_here": [str(Int8Linear.expansion()[0]),
+                                          Int8Linear.expansion()[1]]}}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("part", choices=("speed", "quality", "kv", "engine", "batch1",
-                                    "packed_order"))
+                                    "packed_order", "int8_rows"))
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=list(INT8_ROWS),
+                   help="int8_rows: the row counts")
     p.add_argument("--groups", type=int, nargs="+", default=[32, 64])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
@@ -360,7 +435,8 @@ def main(argv=None):
     p.add_argument("--variants", nargs="+", choices=ENGINE_SYSTEMS, default=None,
                    help="engine: the variants to time (default: all of ENGINE_SYSTEMS); a "
                         "'_graphs' one runs with enforce_eager=False (the compiled step), a "
-                        "'_plain' one with Int8Linear.PACKED_ORDER off")
+                        "'_plain' one with Int8Linear.PACKED_ORDER off, a '_bf16expand' one "
+                        "with Int8Linear.EXPAND_DTYPE bf16")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -373,7 +449,8 @@ def main(argv=None):
               "versions": {"python": platform.python_version(), "torch": torch.__version__,
                            "transformers": transformers.__version__}}
     record.update({"speed": speed, "quality": quality, "kv": kv, "engine": engine,
-                   "batch1": batch1, "packed_order": packed_order}[args.part](args))
+                   "batch1": batch1, "packed_order": packed_order,
+                   "int8_rows": int8_rows}[args.part](args))
     record["load_after"] = os.getloadavg()[0]
     out = Path(args.out) if args.out else RESULTS / f"quant_{args.part}_cpu_{now:%Y%m%d}.json"
     out.write_text(json.dumps(record, indent=1))
