@@ -248,14 +248,17 @@ _INT4 = {}                       # id(fp32 model) -> its bf16 copy with int4 dec
 
 
 def run_minillm_int4(mini, prompts, outputs, args):
-    """minillm continuous on a bf16 copy whose decoder linears are chapter 09's int4 (group 64,
-    round to nearest; PyTorch's packed CPU kernel with bf16 activations)."""
+    """minillm continuous on a copy whose decoder linears are chapter 09's int4 (group 64, round
+    to nearest; PyTorch's packed CPU kernel with bf16 activations): a bf16 copy, or an fp32 one
+    on a CPU without native bf16 (where torch would emulate the rest of the model's bf16)."""
     import copy
 
+    from minillm import loader
     from minillm.quant import quantize_model
     if id(mini) not in _INT4:
-        bf16 = copy.deepcopy(mini).to(resolve_dtype("bfloat16", mini.device))
-        _INT4[id(mini)] = quantize_model(bf16, "int4")
+        cpu_fp32 = mini.device.type == "cpu" and not loader.cpu_has_native_bf16()
+        dtype = torch.float32 if cpu_fp32 else resolve_dtype("bfloat16", mini.device)
+        _INT4[id(mini)] = quantize_model(copy.deepcopy(mini).to(dtype), "int4")
     return run_minillm(_INT4[id(mini)], prompts, outputs, args)
 
 

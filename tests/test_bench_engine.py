@@ -103,14 +103,16 @@ def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
     assert mini.dtype == torch.float32
 
 
-def test_int4_system_quantizes_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
+@pytest.mark.parametrize("native", [True, False])
+def test_int4_system_quantizes_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch, native):
+    """A bf16 copy where the CPU has native bf16, an fp32 one where torch would emulate it."""
     import torch
 
     from minillm import loader
     from minillm.configs import ModelConfig
     from minillm.quant import Int4Linear
     bench = load("bench_engine")
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
     seen = []
     monkeypatch.setattr(bench, "run_minillm", lambda mini, p, o, a, scheduling="continuous":
                         seen.append((mini.dtype, type(mini.layers[0].mlp.down_proj))))
@@ -119,7 +121,8 @@ def test_int4_system_quantizes_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch)
                       max_position_embeddings=64)
     mini = loader.random_model(cfg, device="cpu", dtype=torch.float32)
     bench.run_minillm_int4(mini, [], [], None)
-    assert seen == [(torch.bfloat16, Int4Linear)] and mini.dtype == torch.float32
+    copy_dtype = torch.bfloat16 if native else torch.float32
+    assert seen == [(copy_dtype, Int4Linear)] and mini.dtype == torch.float32
     assert type(mini.layers[0].mlp.down_proj) is not Int4Linear
 
 
