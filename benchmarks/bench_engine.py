@@ -244,7 +244,7 @@ def run_minillm_bf16(mini, prompts, outputs, args, enforce_eager=True):
     return run_minillm(_BF16[id(mini)], prompts, outputs, args, enforce_eager=enforce_eager)
 
 
-_INT4 = {}                       # id(fp32 model) -> its bf16 copy with int4 decoder linears
+_INT4 = {}                       # id(fp32 model) -> its copy with int4 decoder linears
 
 
 def run_minillm_int4(mini, prompts, outputs, args):

@@ -104,7 +104,7 @@ def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_int4_system_quantizes_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch, native):
+def test_int4_system_quantizes_a_copy_and_keeps_the_fp32_model(monkeypatch, native):
     """A bf16 copy where the CPU has native bf16, an fp32 one where torch would emulate it."""
     import torch
 
