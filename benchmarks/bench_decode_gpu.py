@@ -22,8 +22,10 @@ test_cuda_graphs.py asserts graphs == eager in fp32, where no such flips occur).
     python benchmarks/bench_decode_gpu.py --models llama-3.2-1b --batches 1 16 \\
         --variants bf16_graphs int4_graphs --int4-config results/int4_gemm_..._sweep.json
 
-Writes benchmarks/results/decode_<gpu>_<date>.json (or --out). On a CPU it runs (graphs are
-ignored there, with the engine's note) but its times say nothing about a GPU.
+Writes benchmarks/results/decode_<gpu>_<date>.json (or --out). On a CPU it runs (there
+enforce_eager=False compiles the step with torch.compile instead, minillm/engine/compiled.py,
+in fp32, the CPU's dtype, whatever the variant's name says) but its times say nothing about a
+GPU.
 """
 from __future__ import annotations
 
