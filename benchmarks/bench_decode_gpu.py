@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import minillm  # noqa: E402
-from minillm import SamplingParams  # noqa: E402
+from minillm import SamplingParams, configs  # noqa: E402
 from minillm.loader import load_model  # noqa: E402
 
 VARIANTS = ("bf16_eager", "bf16_graphs", "int4_eager", "int4_graphs", "bf16_graphs_fp8kv")
@@ -65,6 +65,9 @@ def parse_args(argv=None):
     p.add_argument("--long", type=int, default=132, help="max_tokens of the long call")
     p.add_argument("--int4-config", type=Path, default=None, metavar="JSON",
                    help="a bench_int4_gemm.py --sweep record: run int4 with its fastest config")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep only the first N decoder layers of each preset (a quick check, "
+                        "e.g. the tests' CPU run; a record's timings need the whole model)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -104,7 +107,10 @@ def variants_of(base, names):
 
 
 def run_model(name, args):
-    base, _ = load_model(name, weights="random", device=args.device)
+    cfg = configs.get(name)
+    if args.num_layers is not None:
+        cfg = cfg.with_(num_layers=args.num_layers)
+    base, _ = load_model(cfg, weights="random", device=args.device)
     rng = random.Random(0)
     hi = base.config.vocab_size - 100
     prompts_all = [[rng.randrange(100, hi) for _ in range(args.prompt)]
@@ -156,6 +162,7 @@ def main(argv=None):
                   command=" ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:])),
                   versions={"torch": torch.__version__, "python": platform.python_version()},
                   prompt_len=args.prompt, short=args.short, long=args.long,
+                  num_layers=args.num_layers,
                   int4_override=override, rows=[])
     for name in args.models:
         record["rows"] += run_model(name, args)
