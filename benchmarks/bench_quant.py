@@ -49,7 +49,9 @@ one process: median decode step per batch size, a 256-token prefill, and the arg
 int8_rows: every decoder layer's product of the bundled model, one path after another in
 `--repeats` interleaved rounds, at 1..256 rows: the fp32 layers (model.Linear, what an fp32
 model runs), aten's int8 kernel (bf16 activations), the int8 weight expanded into fp32 or into
-bf16 and multiplied there, int4 (aten's kernel), and bf16 layers where this CPU has native bf16.
+bf16 and multiplied there (`Int8Linear.expanded_product`, the layer's own code; bf16 into
+oneDNN's packed order where that is available), int4 (aten's kernel), and bf16 layers where this
+CPU has native bf16.
 Where expanding starts to beat aten's int8 kernel, per expansion dtype, is the crossover that
 `Int8Linear.DEQUANT_ROWS` (native bf16) and `DEQUANT_ROWS_FP32` (without) hold.
 
@@ -367,8 +369,6 @@ def int8_rows(args) -> dict:
     """Median ms of all decoder layers' products per path and row count (see the docstring)."""
     import copy
 
-    import torch.nn.functional as F
-
     from minillm.loader import cpu_has_native_bf16
     from minillm.quant import Int4Linear, Int8Linear, decoder_linears
     from minillm.roofline import interleaved_times
@@ -384,10 +384,8 @@ def int8_rows(args) -> dict:
         layers["bf16"] = [m for _, _, m in decoder_linears(copy.deepcopy(fp32).to(torch.bfloat16))]
     int8 = {"int8_kernel": lambda x, m: torch.ops.aten._weight_int8pack_mm(
                 x.to(torch.bfloat16), m.qweight, m.scale_bf16),
-            "expand_fp32": lambda x, m: (F.linear(x.to(torch.bfloat16).float(), m.qweight.float())
-                                         * m.scale_bf16.float()).to(torch.bfloat16),
-            "expand_bf16": lambda x, m: F.linear(x.to(torch.bfloat16),
-                                                 m.qweight.to(torch.bfloat16)) * m.scale_bf16}
+            "expand_fp32": lambda x, m: m.expanded_product(x, torch.float32),
+            "expand_bf16": lambda x, m: m.expanded_product(x, torch.bfloat16)}
 
     def run(ms, fn, xs):
         return lambda: [fn(xs[m.in_features], m) for m in ms]

@@ -198,6 +198,10 @@ class Int8Linear(QuantLinear):
         if x.shape[0] < rows:                                # bf16 in, bf16 out
             return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight,
                                                       self.scale_bf16)
+        return self.expanded_product(x, dtype)
+
+    def expanded_product(self, x, dtype):                    # x [M, K] -> [M, N] bf16
+        """The weight expanded into `dtype` (bf16 or fp32) and one product."""
         if dtype == torch.float32:                           # no native bf16 (see above):
             x = x.to(torch.bfloat16).float()                 # the kernel's numbers (bf16 in,
             out = F.linear(x, self.qweight.float()) * self.scale_bf16.float()   # bf16 scales,
