@@ -20,7 +20,8 @@ its output length. The same requests, the same weights, greedy decoding, through
                    sgemm), next to minillm in the same run
     minillm_graphs minillm with enforce_eager=False: decode steps replayed from CUDA graphs on
                    a GPU, every step through one torch.compile'd graph on a CPU
-                   (minillm/engine/compiled.py); minillm_bf16_graphs: the same in bf16
+                   (minillm/engine/compiled.py); minillm_bf16_graphs: the same in bf16,
+                   minillm_int4_graphs with chapter 09's int4 decoder products
 
 Output tokens/s = requested output tokens / wall time of the whole run (after a warm-up of
 one request, then two: on a CPU the compiled systems compile their graphs there).
@@ -59,7 +60,7 @@ from minillm.loader import (random_model, resolve_dtype, to_hf_config,  # noqa: 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("hf_static", "hf_continuous", "minillm", "minillm_static", "minillm_nn_linear",
            "minillm_bf16", "minillm_int4", "llama_cpp", "minillm_graphs", "minillm_onednn",
-           "minillm_bf16_graphs")
+           "minillm_bf16_graphs", "minillm_int4_graphs")
 DEFAULT_SYSTEMS = SYSTEMS[:5]   # on a CPU; the others are asked for by name (bf16 CPU, llama.cpp
                                 # built); on CUDA the defaults swap minillm_static and
                                 # minillm_nn_linear (a CPU GEMM choice) for minillm_graphs
@@ -87,9 +88,10 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                    help="minillm_bf16: minillm continuous with bf16 weights and KV (needs native "
-                        "bf16 on a CPU); minillm_int4: the same with chapter 09's int4 "
-                        "decoder linears; llama_cpp: llama-cpp-python on the bundled GGUF, one "
-                        "request at a time (`make llama-cpp` builds it)")
+                        "bf16 on a CPU); minillm_int4: chapter 09's int4 decoder linears "
+                        "(a bf16 copy, fp32 on a CPU without native bf16); *_graphs: the same "
+                        "with enforce_eager=False; llama_cpp: llama-cpp-python on the bundled "
+                        "GGUF, one request at a time (`make llama-cpp` builds it)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
@@ -247,7 +249,7 @@ def run_minillm_bf16(mini, prompts, outputs, args, enforce_eager=True):
 _INT4 = {}                       # id(fp32 model) -> its copy with int4 decoder linears
 
 
-def run_minillm_int4(mini, prompts, outputs, args):
+def run_minillm_int4(mini, prompts, outputs, args, enforce_eager=True):
     """minillm continuous on a copy whose decoder linears are chapter 09's int4 (group 64, round
     to nearest; PyTorch's packed CPU kernel with bf16 activations): a bf16 copy, or an fp32 one
     on a CPU without native bf16 (where torch would emulate the rest of the model's bf16)."""
@@ -259,7 +261,7 @@ def run_minillm_int4(mini, prompts, outputs, args):
         cpu_fp32 = mini.device.type == "cpu" and not loader.cpu_has_native_bf16()
         dtype = torch.float32 if cpu_fp32 else resolve_dtype("bfloat16", mini.device)
         _INT4[id(mini)] = quantize_model(copy.deepcopy(mini).to(dtype), "int4")
-    return run_minillm(_INT4[id(mini)], prompts, outputs, args)
+    return run_minillm(_INT4[id(mini)], prompts, outputs, args, enforce_eager=enforce_eager)
 
 
 _LLAMA = {}                      # the llama.cpp model, loaded once
@@ -308,6 +310,7 @@ RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
            "minillm_bf16": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a),
            "minillm_bf16_graphs": lambda m, h, p, o, a: run_minillm_bf16(m, p, o, a, False),
            "minillm_int4": lambda m, h, p, o, a: run_minillm_int4(m, p, o, a),
+           "minillm_int4_graphs": lambda m, h, p, o, a: run_minillm_int4(m, p, o, a, False),
            "llama_cpp": lambda m, h, p, o, a: run_llama_cpp(p, o, a)}
 
 

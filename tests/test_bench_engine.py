@@ -114,15 +114,19 @@ def test_int4_system_quantizes_a_copy_and_keeps_the_fp32_model(monkeypatch, nati
     bench = load("bench_engine")
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
     seen = []
-    monkeypatch.setattr(bench, "run_minillm", lambda mini, p, o, a, scheduling="continuous":
-                        seen.append((mini.dtype, type(mini.layers[0].mlp.down_proj))))
+    monkeypatch.setattr(bench, "run_minillm",
+                        lambda mini, p, o, a, scheduling="continuous", enforce_eager=True:
+                        seen.append((mini.dtype, type(mini.layers[0].mlp.down_proj),
+                                     enforce_eager)))
     cfg = ModelConfig(name="t", vocab_size=50, hidden_size=64, intermediate_size=128,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
                       max_position_embeddings=64)
     mini = loader.random_model(cfg, device="cpu", dtype=torch.float32)
     bench.run_minillm_int4(mini, [], [], None)
+    bench.RUNNERS["minillm_int4_graphs"](mini, None, [], [], None)     # compiled: same copy
     copy_dtype = torch.bfloat16 if native else torch.float32
-    assert seen == [(copy_dtype, Int4Linear)] and mini.dtype == torch.float32
+    assert seen == [(copy_dtype, Int4Linear, True), (copy_dtype, Int4Linear, False)]
+    assert mini.dtype == torch.float32
     assert type(mini.layers[0].mlp.down_proj) is not Int4Linear
 
 
