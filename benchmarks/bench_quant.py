@@ -50,10 +50,12 @@ int8_rows: every decoder layer's product of the bundled model, one path after an
 `--repeats` interleaved rounds, at 1..256 rows: the fp32 layers (model.Linear, what an fp32
 model runs), aten's int8 kernel (bf16 activations), the int8 weight expanded into fp32 or into
 bf16 and multiplied there (`Int8Linear.expanded_product`, the layer's own code; bf16 into
-oneDNN's packed order where that is available), int4 (aten's kernel), and bf16 layers where this
-CPU has native bf16.
+oneDNN's packed order where that is available), int4 (the layer: its policy), int4 through
+aten's kernel and int4 expanded into fp32 (`Int4Linear.expanded_product`), and bf16 layers
+where this CPU has native bf16.
 Where expanding starts to beat aten's int8 kernel, per expansion dtype, is the crossover that
-`Int8Linear.DEQUANT_ROWS` (native bf16) and `DEQUANT_ROWS_FP32` (without) hold.
+`Int8Linear.DEQUANT_ROWS` (native bf16) and `DEQUANT_ROWS_FP32` (without) hold; the int4
+expansion against the int4 kernel, `Int4Linear.DEQUANT_ROWS_FP32`.
 
 Each writes JSON to benchmarks/results/ (device, date, command, load average, versions).
 """
@@ -386,6 +388,9 @@ def int8_rows(args) -> dict:
                 x.to(torch.bfloat16), m.qweight, m.scale_bf16),
             "expand_fp32": lambda x, m: m.expanded_product(x, torch.float32),
             "expand_bf16": lambda x, m: m.expanded_product(x, torch.bfloat16)}
+    int4 = {"int4_kernel": lambda x, m: torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16), m.packed, m.group_size, m.scales_and_zeros),
+            "int4_expand_fp32": lambda x, m: m.expanded_product(x)}
 
     def run(ms, fn, xs):
         return lambda: [fn(xs[m.in_features], m) for m in ms]
@@ -400,21 +405,26 @@ def int8_rows(args) -> dict:
             fns = {name: run(ls, layer_in(torch.bfloat16 if name == "bf16" else torch.float32),
                              xs) for name, ls in layers.items()}
             fns.update({name: run(q8, fn, xs) for name, fn in int8.items()})
+            fns.update({name: run(q4, fn, xs) for name, fn in int4.items()})
             times = interleaved_times(fns, repeats=args.repeats)
             ms[rows] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
             print(rows, {k: round(v, 1) for k, v in ms[rows].items()}, flush=True)
 
-    def crossover(path):                 # the fewest rows from which expanding beats the kernel
-        wins = [r for r in args.rows if ms[r][path] < ms[r]["int8_kernel"]]
+    def crossover(path, kernel="int8_kernel"):   # the fewest rows from which expanding beats
+        wins = [r for r in args.rows if ms[r][path] < ms[r][kernel]]     # the kernel, for good
         return next((r for r in wins if all(q in wins for q in args.rows if q >= r)), None)
 
     return {"rows": args.rows, "rounds": args.repeats, "median_ms": ms, "native_bf16": native,
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "crossover_rows": {p: crossover(p) for p in ("expand_fp32", "expand_bf16")},
+            "crossover_rows": {**{p: crossover(p) for p in ("expand_fp32", "expand_bf16")},
+                               "int4_expand_fp32": crossover("int4_expand_fp32", "int4_kernel")},
             "policy": {"dequant_rows": Int8Linear.DEQUANT_ROWS,
                        "dequant_rows_fp32": Int8Linear.DEQUANT_ROWS_FP32,
                        "expansion_here": [str(Int8Linear.expansion()[0]),
-                                          Int8Linear.expansion()[1]]}}
+                                          Int8Linear.expansion()[1]],
+                       "int4_dequant_rows_fp32": Int4Linear.DEQUANT_ROWS_FP32,
+                       "int4_expands_here_from": (Int4Linear.DEQUANT_ROWS_FP32
+                                                  if q4[0].expands(10 ** 6) else None)}}
 
 
 def main(argv=None):

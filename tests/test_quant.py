@@ -185,6 +185,44 @@ def test_int4_kernel_matches_twin(rows, group_size):
     torch.testing.assert_close(ql(x), ref)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_int4_expands_into_fp32_from_the_crossover_where_bf16_is_emulated(monkeypatch, native):
+    """Without native bf16, from DEQUANT_ROWS_FP32 rows on one fp32 expansion of the weight and
+    one product, with the kernel's numbers (within one bf16 rounding); below it, and on a CPU
+    with native bf16, aten's int4 kernel."""
+    from minillm.quant import linear
+    monkeypatch.setattr(linear, "_native_bf16", lambda: native)
+    calls = []
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu",
+                        lambda x, *a: calls.append(x.shape[0]) or real(x, *a))
+    torch.manual_seed(3)
+    ql = Int4Linear(nn.Linear(256, 96, bias=True), 64)
+    start = ql.DEQUANT_ROWS_FP32
+    assert [ql.expands(m) for m in (1, start - 1, start)] == [False, False, not native]
+    with torch.no_grad():
+        for m in (1, start - 1, start, start + 37):
+            x = torch.randn(m, 256)
+            out = ql(x)
+            ref = int4_linear_ref(x, unpack_int4(ql.qweight), ql.qscale, ql.zero, ql.bias)
+            torch.testing.assert_close(out, ref, atol=5e-2, rtol=2e-2)
+            kernel = real(x.to(torch.bfloat16), ql.packed, 64, ql.scales_and_zeros).float()
+            torch.testing.assert_close(ql.kernel(x).float(), kernel, atol=1e-4, rtol=2 ** -7)
+    kernel_rows = (1, start - 1, start, start + 37) if native else (1, start - 1)
+    assert calls == [m for m in kernel_rows for _ in "ab"]  # ql(x), then ql.kernel(x)
+
+
+def test_int4_expansion_equals_the_kernel_bit_for_bit_almost_everywhere():
+    """The expansion is (q - 8) * scale + zero in fp32 from the kernel's own bf16 scale and
+    zero: a planted nibble swap or a zero point off by one shows at once."""
+    torch.manual_seed(4)
+    ql = Int4Linear(nn.Linear(576, 960, bias=False), 64)
+    x = torch.randn(70, 576)
+    kernel = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), ql.packed, 64,
+                                                        ql.scales_and_zeros)
+    assert (ql.expanded_product(x) == kernel).float().mean() > 0.999
+
+
 def test_quantize_model_replaces_every_decoder_linear_and_shrinks_the_weights():
     model = tiny_model()
     before = weight_bytes(model)
@@ -199,10 +237,15 @@ def test_quantize_model_replaces_every_decoder_linear_and_shrinks_the_weights():
     assert weight_bytes(model) < before
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_engine_with_quantized_weights_matches_sequential_generation(quantization):
+@pytest.mark.parametrize("quantization", ["int8", "int4", "int4_expand"])
+def test_engine_with_quantized_weights_matches_sequential_generation(quantization, monkeypatch):
     """The engine's batched greedy tokens on the quantized model == the chapter-00 loop's, one
-    prompt at a time, on the same quantized model."""
+    prompt at a time, on the same quantized model. int4_expand: int4 whose batched prefill
+    expands into fp32 (from 8 rows here) while the loop's prompts take the kernel."""
+    if quantization == "int4_expand":
+        monkeypatch.setattr(Int4Linear, "EXPAND", True)
+        monkeypatch.setattr(Int4Linear, "DEQUANT_ROWS_FP32", 8)
+        quantization = "int4"
     model = tiny_model()
     llm = minillm.LLM((model, None), quantization=quantization, block_size=8, num_kv_blocks=64)
     assert isinstance(model.layers[0].mlp.down_proj, (Int8Linear, Int4Linear))

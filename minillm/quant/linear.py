@@ -251,10 +251,40 @@ class Int4Linear(QuantLinear):
             self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", sz.contiguous().to(torch.bfloat16))
 
+    # aten's int4 kernel, like the int8 one, unpacks the weight again for every row it
+    # multiplies. On a CPU without native bf16 (an AMD EPYC with AVX2 only, 2 threads, all 30
+    # layers' products, `bench_quant.py int8_rows`' int4 columns, medians of 5) it was slower
+    # than fp32 from 16 rows (73 vs 58 ms), and expanding the weight into fp32 once (unpack,
+    # scale, zero: about 160 ms for the whole model, four bytes written per weight) and running
+    # one fp32 product beat it from 128 rows (433 vs 493 ms; 556 vs 785 at 256; 283 vs 203 at
+    # 64): long prefills, never decodes. So from `DEQUANT_ROWS_FP32` rows on, where bf16 is
+    # emulated, the layer expands. With native bf16 the kernel was not measured against an
+    # expansion: it keeps the kernel (`EXPAND` forces either way).
+    DEQUANT_ROWS_FP32 = 128
+    EXPAND = None                            # None: by the CPU (above); True / False: forced
+
+    def expands(self, rows: int) -> bool:
+        """Whether a product of `rows` rows expands the weight into fp32 (else the kernel)."""
+        on = (not _native_bf16()) if self.EXPAND is None else self.EXPAND
+        return on and rows >= self.DEQUANT_ROWS_FP32
+
     def kernel(self, x):                                     # x [M, K] -> [M, N] bf16
+        if self.expands(x.shape[0]):
+            return self.expanded_product(x)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
                                                           self.group_size,
                                                           self.scales_and_zeros)
+
+    def expanded_product(self, x):                           # x [M, K] -> [M, N] bf16
+        """The weight expanded into fp32 and one product, with the kernel's numbers: its bf16
+        scales and zeros, bf16 activations, bf16 out (a batch and a single row agree)."""
+        N, K, g = self.out_features, self.in_features, self.group_size
+        sz = self.scales_and_zeros.float()                  # [K/g, N, 2] the kernel's scale
+        scale = sz[..., 0].t().contiguous()[..., None]      # [N, K/g, 1]       and float zero
+        zero = sz[..., 1].t().contiguous()[..., None]
+        w = unpack_int4(self.qweight).to(torch.float32).view(N, K // g, g)   # q in 0..15
+        w = w.sub_(8).mul_(scale).add_(zero).view(N, K)     # the kernel's (q - 8) * s + z
+        return F.linear(x.to(torch.bfloat16).float(), w).to(torch.bfloat16)
 
     def triton_kernel(self, x):                              # x [M, K] -> [M, N], x's dtype
         from ..kernels.int4_gemm import int4_gemm            # Triton: imported only when used
