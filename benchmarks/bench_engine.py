@@ -374,8 +374,13 @@ def main(argv=None):
         prompts, outputs = workload(args.num_requests, args.min_len, args.max_len,
                                     mini.config.vocab_size, args.seed)
         # warm-up: one request (a prefill that samples one row, one-token decodes), then two
-        # (several rows): the step shapes a compiled system makes its graphs for
-        warm = [workload(n, 4, 8, mini.config.vocab_size, args.seed + 1) for n in (1, 2)]
+        # (several rows), then as many as run at once (decodes of every row count down to one
+        # as they finish): the step shapes a compiled system makes its graphs for. Without the
+        # last, a compiled system traced its larger batches inside its first timed run (0.15x
+        # llama.cpp there against 1.3-1.5x in runs 2 and 3: engine_cpu_amd_avx2_20261207_*)
+        full = min(args.max_num_seqs, args.num_requests)
+        warm = [workload(n, 4, 8, mini.config.vocab_size, args.seed + 1)
+                for n in sorted({1, 2, full})]
         produced, runs = {}, {system: [] for system in args.systems}
         for system in args.systems:
             for warm_p, warm_o in warm:
