@@ -24,7 +24,8 @@ its output length. The same requests, the same weights, greedy decoding, through
                    minillm_int4_graphs with chapter 09's int4 decoder products
 
 Output tokens/s = requested output tokens / wall time of the whole run (after a warm-up of
-one request, then two: on a CPU the compiled systems compile their graphs there).
+one request, then two, then max_num_seqs: on a CPU the compiled systems compile their graphs
+there).
 
     python benchmarks/bench_engine.py                  # CPU: bundled SmolLM2, N=16, lengths
                                                        # 32..128, 4 sequences at a time

@@ -253,13 +253,14 @@ class Int4Linear(QuantLinear):
 
     # aten's int4 kernel, like the int8 one, unpacks the weight again for every row it
     # multiplies. On a CPU without native bf16 (an AMD EPYC with AVX2 only, 2 threads, all 30
-    # layers' products, `bench_quant.py int8_rows`' int4 columns, medians of 5) it was slower
-    # than fp32 from 16 rows (73 vs 58 ms), and expanding the weight into fp32 once (unpack,
-    # scale, zero: about 160 ms for the whole model, four bytes written per weight) and running
-    # one fp32 product beat it from 128 rows (433 vs 493 ms; 556 vs 785 at 256; 283 vs 203 at
-    # 64): long prefills, never decodes. So from `DEQUANT_ROWS_FP32` rows on, where bf16 is
-    # emulated, the layer expands. With native bf16 the kernel was not measured against an
-    # expansion: it keeps the kernel (`EXPAND` forces either way).
+    # layers' products, medians of 5: `bench_quant.py int8_rows`' int4 columns, record
+    # quant_int4_rows_cpu_amd_avx2_20261207.json) it was level with fp32 at 16 rows (48.7 vs
+    # 52.5 ms) and behind it from 32 (116 vs 77); expanding the weight into fp32 once (unpack,
+    # scale, zero: about 100 ms for the whole model, four bytes written per weight) and running
+    # one fp32 product beat it from 128 rows (422 vs 483 ms; 725 vs 1158 at 256; 339 vs 230 at
+    # 64), as in a run minutes before: long prefills, never decodes. So from `DEQUANT_ROWS_FP32`
+    # rows on, where bf16 is emulated, the layer expands. With native bf16 the kernel was not
+    # measured against an expansion: it keeps the kernel (`EXPAND` forces either way).
     DEQUANT_ROWS_FP32 = 128
     EXPAND = None                            # None: by the CPU (above); True / False: forced
 
