@@ -388,8 +388,7 @@ def int8_rows(args) -> dict:
                 x.to(torch.bfloat16), m.qweight, m.scale_bf16),
             "expand_fp32": lambda x, m: m.expanded_product(x, torch.float32),
             "expand_bf16": lambda x, m: m.expanded_product(x, torch.bfloat16)}
-    int4 = {"int4_kernel": lambda x, m: torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16), m.packed, m.group_size, m.scales_and_zeros),
+    int4 = {"int4_kernel": lambda x, m: m.packed_product(x),
             "int4_expand_fp32": lambda x, m: m.expanded_product(x)}
 
     def run(ms, fn, xs):

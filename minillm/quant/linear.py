@@ -272,6 +272,10 @@ class Int4Linear(QuantLinear):
     def kernel(self, x):                                     # x [M, K] -> [M, N] bf16
         if self.expands(x.shape[0]):
             return self.expanded_product(x)
+        return self.packed_product(x)
+
+    def packed_product(self, x):                             # x [M, K] -> [M, N] bf16
+        """aten's int4 CPU kernel on the packed weight (bf16 activations)."""
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed,
                                                           self.group_size,
                                                           self.scales_and_zeros)
