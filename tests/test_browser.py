@@ -22,6 +22,7 @@ a missing Playwright or Chromium is a failure that says what to install, never a
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -43,6 +44,8 @@ SERVER_START_S = 120          # JupyterLab up and answering
 RUN_ALL_S = 900               # a lecture runs in < 2 min on an idle 2-core CPU; CI-like load
                               # is slower
 WIDGET_S = 60                 # a slider move reaches the kernel and the new output renders
+MENU_S = 60                   # a notebook menu item is enabled once the notebook has focus
+RUN_ALL_CLICKS = 3            # a Run All click that started no cell is repeated, up to this total
 
 
 def _chromium() -> str:
@@ -64,7 +67,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """A JupyterLab server on a copy of notebooks/ and exercises/: (base url, token)."""
+    """A JupyterLab server on a copy of notebooks/ and exercises/: (base url, token, its log)."""
     try:
         import playwright  # noqa: F401
     except ImportError:
@@ -106,7 +109,7 @@ def lab(tmp_path_factory):
                 pytest.fail(f"JupyterLab did not start within {SERVER_START_S} s:\n"
                             + (work / "jupyterlab.log").read_text()[-3000:])
             time.sleep(0.5)
-        yield base, token
+        yield base, token, work / "jupyterlab.log"
     finally:
         os.killpg(server.pid, signal.SIGTERM)            # the server and its kernels
         try:
@@ -129,33 +132,92 @@ def browser():
             b.close()
 
 
+def _kernel_idle(lab, path) -> bool:
+    """The server has a session for `path` whose kernel is up and idle."""
+    base, token, _ = lab
+    try:
+        with urllib.request.urlopen(f"{base}/api/sessions?token={token}", timeout=5) as r:
+            sessions = json.load(r)
+    except OSError:
+        return False
+    return any(s.get("path") == path and (s.get("kernel") or {}).get("execution_state") == "idle"
+               for s in sessions)
+
+
 def _open(browser, lab, path):
-    base, token = lab
+    base, token, _ = lab
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     errors = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(f"{base}/lab/tree/{path}?token={token}&reset", wait_until="domcontentloaded")
     page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=SERVER_START_S * 1000)
-    # the kernel is up when the toolbar's status says idle
-    page.wait_for_selector(".jp-NotebookPanel:not(.lm-mod-hidden) "
-                           "[data-status='idle'], "
-                           ".jp-Notebook-ExecutionIndicator[data-status='idle']",
-                           timeout=SERVER_START_S * 1000)
+    # The kernel is up when the server's session for this notebook has an idle kernel and the
+    # page shows it: the toolbar names a kernel and its status says idle. (The status alone can
+    # read idle before the page holds a kernel; Run All then clears every prompt and runs nothing,
+    # which is what CI once saw.)
+    name = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-Toolbar-kernelName")
+    status = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) "
+                          ".jp-Notebook-ExecutionIndicator[data-status='idle']")
+    deadline = time.monotonic() + SERVER_START_S
+    while not (_kernel_idle(lab, path) and status.count() > 0 and name.count() > 0
+               and name.first.inner_text().strip() not in ("", "No Kernel", "Kernel")):
+        if time.monotonic() > deadline:
+            pytest.fail(f"the kernel of {path} was not up and idle within {SERVER_START_S} s "
+                        f"(toolbar: {name.all_inner_texts()}); JupyterLab's log ends:\n"
+                        + lab[2].read_text()[-2000:])
+        time.sleep(0.5)
     return page, errors
 
 
-def _run_all(page):
-    """Run > Run All Cells from the menu bar, as a learner does; wait until every code cell has
-    run. Fails early when the kernel has gone idle with cells left unrun (Run All stopped)."""
-    page.click(".jp-NotebookPanel .jp-Notebook")                    # focus the notebook
-    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
-    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
-    prompts = page.locator(".jp-NotebookPanel .jp-CodeCell .jp-InputArea-prompt")
+def _menu(page, menu, item):
+    """Click `menu` > `item` in the menu bar, as a learner does. Lumino greys an item out (and a
+    click on it does nothing) until the notebook is the shell's current widget: reopen the menu
+    until the item is enabled, then click it."""
+    entry = page.locator(".lm-Menu-item", has=page.locator(
+        ".lm-Menu-itemLabel", has_text=re.compile(f"^{re.escape(item)}$")))
+    deadline = time.monotonic() + MENU_S
+    while True:
+        page.click(".jp-NotebookPanel .jp-Notebook")                # focus the notebook
+        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(f"^{menu}$")).click()
+        entry.wait_for(timeout=MENU_S * 1000)
+        if "lm-mod-disabled" not in (entry.get_attribute("class") or ""):
+            entry.click()
+            return
+        page.keyboard.press("Escape")                                # close the menu, try again
+        if time.monotonic() > deadline:
+            pytest.fail(f"{menu} > {item} stayed disabled for {MENU_S} s: the notebook never "
+                        "became JupyterLab's current widget")
+        time.sleep(1)
+
+
+def _prompts(page):
+    texts = [t.strip() for t in page.locator(
+        ".jp-NotebookPanel .jp-CodeCell .jp-InputArea-prompt").all_inner_texts()]
+    return texts, [bool(re.fullmatch(r"\[\d+\]:", t)) for t in texts]
+
+
+def _run_all(page, lab_log):
+    """Clear the saved outputs (their execution counts would read as cells already run), Run All,
+    then wait until every code cell has run. Fails early when the kernel has gone idle with cells
+    left unrun (Run All stopped).
+
+    A click that started nothing at all (no cell queued or run 15 s after it, the kernel idle) is
+    repeated, at most RUN_ALL_CLICKS times in all, and each repeat is printed; once any cell has
+    started, an idle kernel with cells unrun is a failure."""
+    _menu(page, "Edit", "Clear Outputs of All Cells")
+    deadline = time.monotonic() + MENU_S
+    while any(_prompts(page)[1]):
+        if time.monotonic() > deadline:
+            pytest.fail("Edit > Clear Outputs of All Cells left execution counts: "
+                        f"{_prompts(page)[0]}")
+        time.sleep(0.5)
     idle = page.locator(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']")
+    _menu(page, "Run", "Run All Cells")
+    clicks, started = 1, False
     deadline, idle_since = time.monotonic() + RUN_ALL_S, None
     while True:
-        texts = [t.strip() for t in prompts.all_inner_texts()]
-        done = [bool(re.fullmatch(r"\[\d+\]:", t)) for t in texts]
+        texts, done = _prompts(page)
+        started = started or "[*]:" in texts or any(done)
         if texts and all(done):
             return texts
         if "[*]:" in texts or idle.count() == 0:
@@ -163,9 +225,15 @@ def _run_all(page):
         elif idle_since is None:
             idle_since = time.monotonic()
         elif time.monotonic() - idle_since > 15:                   # idle, nothing queued
+            if not started and clicks < RUN_ALL_CLICKS:
+                print(f"\nRun All started no cell in 15 s (click {clicks}): clicking it again")
+                _menu(page, "Run", "Run All Cells")
+                clicks, idle_since = clicks + 1, None
+                continue
             pytest.fail(f"Run All stopped: the kernel is idle and {done.count(False)} of "
                         f"{len(texts)} code cells never ran (first: cell {done.index(False)} of "
-                        "the code cells)")
+                        f"the code cells; Run All clicked {clicks} times). Prompts: {texts[:8]}; "
+                        f"JupyterLab's log ends:\n{lab_log.read_text()[-2000:]}")
         if time.monotonic() > deadline:
             pytest.fail(f"Run All did not finish within {RUN_ALL_S} s: {done.count(False)} of "
                         f"{len(texts)} code cells not run")
@@ -184,7 +252,7 @@ def _first_cell_with_a_slider(page):
 def test_lecture_runs_in_jupyterlab_and_its_widget_responds(browser, lab):
     t0 = time.monotonic()
     page, errors = _open(browser, lab, LECTURE)
-    prompts = _run_all(page)
+    prompts = _run_all(page, lab[2])
     ran_s = time.monotonic() - t0
     assert prompts and all(re.fullmatch(r"\[\d+\]:", p) for p in prompts)
     failed = page.locator(".jp-NotebookPanel .jp-OutputArea-output", has_text="Traceback")
@@ -217,7 +285,7 @@ def test_lecture_runs_in_jupyterlab_and_its_widget_responds(browser, lab):
 
 def test_run_all_on_an_unsolved_problem_set_reaches_the_last_check(browser, lab):
     page, errors = _open(browser, lab, PROBLEM_SET)
-    _run_all(page)
+    _run_all(page, lab[2])
     text = page.locator(".jp-NotebookPanel .jp-Notebook").inner_text()
     grades = re.findall(r"\[minillm-grade\] (ch05\.\w+) (\d+)/(\d+)", text)
     assert [g[0] for g in grades] == ["ch05.step_metadata", "ch05.prefill_attention"], grades
