@@ -93,6 +93,9 @@ def parse_args(argv=None):
                         "(a bf16 copy, fp32 on a CPU without native bf16); *_graphs: the same "
                         "with enforce_eager=False; llama_cpp: llama-cpp-python on the bundled "
                         "GGUF, one request at a time (`make llama-cpp` builds it)")
+    p.add_argument("--int4-lm-head", choices=["model", "int8", "int4"], default="model",
+                   help="the minillm_int4* systems' LM head: the model's dtype (default), or "
+                        "quantized to int8 or int4 (chapter 09's quantize_lm_head)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
@@ -247,22 +250,28 @@ def run_minillm_bf16(mini, prompts, outputs, args, enforce_eager=True):
     return run_minillm(_BF16[id(mini)], prompts, outputs, args, enforce_eager=enforce_eager)
 
 
-_INT4 = {}                       # id(fp32 model) -> its copy with int4 decoder linears
+_INT4 = {}                       # (id(fp32 model), head) -> its copy with int4 linears
 
 
 def run_minillm_int4(mini, prompts, outputs, args, enforce_eager=True):
     """minillm continuous on a copy whose decoder linears are chapter 09's int4 (group 64, round
     to nearest; PyTorch's packed CPU kernel with bf16 activations): a bf16 copy, or an fp32 one
-    on a CPU without native bf16 (where torch would emulate the rest of the model's bf16)."""
+    on a CPU without native bf16 (where torch would emulate the rest of the model's bf16).
+    The LM head stays in the model's dtype unless `--int4-lm-head` names a format (the bundled
+    GGUF that llama.cpp reads keeps its tied head in 8 bits)."""
     import copy
 
     from minillm import loader
     from minillm.quant import quantize_model
-    if id(mini) not in _INT4:
+    head = args.int4_lm_head
+    if (id(mini), head) not in _INT4:
         cpu_fp32 = mini.device.type == "cpu" and not loader.cpu_has_native_bf16()
         dtype = torch.float32 if cpu_fp32 else resolve_dtype("bfloat16", mini.device)
-        _INT4[id(mini)] = quantize_model(copy.deepcopy(mini).to(dtype), "int4")
-    return run_minillm(_INT4[id(mini)], prompts, outputs, args, enforce_eager=enforce_eager)
+        _INT4[id(mini), head] = quantize_model(copy.deepcopy(mini).to(dtype), "int4",
+                                               quantize_lm_head=False if head == "model" else head)
+    tokens, info = run_minillm(_INT4[id(mini), head], prompts, outputs, args,
+                               enforce_eager=enforce_eager)
+    return tokens, {**info, "lm_head": head}
 
 
 _LLAMA = {}                      # the llama.cpp model, loaded once

@@ -105,27 +105,38 @@ def test_bf16_system_runs_a_bf16_copy_and_keeps_the_fp32_model(monkeypatch):
 
 @pytest.mark.parametrize("native", [True, False])
 def test_int4_system_quantizes_a_copy_and_keeps_the_fp32_model(monkeypatch, native):
-    """A bf16 copy where the CPU has native bf16, an fp32 one where torch would emulate it."""
+    """A bf16 copy where the CPU has native bf16, an fp32 one where torch would emulate it; the
+    LM head in the model's dtype unless --int4-lm-head names a format (a copy per head)."""
+    from types import SimpleNamespace
+
     import torch
 
     from minillm import loader
     from minillm.configs import ModelConfig
-    from minillm.quant import Int4Linear
+    from minillm.model import Linear
+    from minillm.quant import Int4Linear, Int8Linear
     bench = load("bench_engine")
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: native)
-    seen = []
-    monkeypatch.setattr(bench, "run_minillm",
-                        lambda mini, p, o, a, scheduling="continuous", enforce_eager=True:
-                        seen.append((mini.dtype, type(mini.layers[0].mlp.down_proj),
-                                     enforce_eager)))
+    seen, copies = [], []
+
+    def fake_run(mini, p, o, a, scheduling="continuous", enforce_eager=True):
+        seen.append((mini.dtype, type(mini.layers[0].mlp.down_proj), type(mini.lm_head),
+                     enforce_eager))
+        copies.append(id(mini))
+        return [], {}
+    monkeypatch.setattr(bench, "run_minillm", fake_run)
     cfg = ModelConfig(name="t", vocab_size=50, hidden_size=64, intermediate_size=128,
                       num_layers=1, num_heads=2, num_kv_heads=1, head_dim=32,
                       max_position_embeddings=64)
     mini = loader.random_model(cfg, device="cpu", dtype=torch.float32)
-    bench.run_minillm_int4(mini, [], [], None)
-    bench.RUNNERS["minillm_int4_graphs"](mini, None, [], [], None)     # compiled: same copy
+    model_head, int8_head = (SimpleNamespace(int4_lm_head=h) for h in ("model", "int8"))
+    assert bench.run_minillm_int4(mini, [], [], model_head)[1] == {"lm_head": "model"}
+    bench.RUNNERS["minillm_int4_graphs"](mini, None, [], [], model_head)  # compiled: same copy
+    assert bench.run_minillm_int4(mini, [], [], int8_head)[1] == {"lm_head": "int8"}
     copy_dtype = torch.bfloat16 if native else torch.float32
-    assert seen == [(copy_dtype, Int4Linear, True), (copy_dtype, Int4Linear, False)]
+    assert seen == [(copy_dtype, Int4Linear, Linear, True), (copy_dtype, Int4Linear, Linear, False),
+                    (copy_dtype, Int4Linear, Int8Linear, True)]
+    assert copies[0] == copies[1] != copies[2]
     assert mini.dtype == torch.float32
     assert type(mini.layers[0].mlp.down_proj) is not Int4Linear
 
