@@ -93,9 +93,11 @@ def parse_args(argv=None):
                         "(a bf16 copy, fp32 on a CPU without native bf16); *_graphs: the same "
                         "with enforce_eager=False; llama_cpp: llama-cpp-python on the bundled "
                         "GGUF, one request at a time (`make llama-cpp` builds it)")
-    p.add_argument("--int4-lm-head", choices=["model", "int8", "int4"], default="model",
+    p.add_argument("--int4-lm-head", nargs="+", choices=["model", "int8", "int4"],
+                   default=["model"],
                    help="the minillm_int4* systems' LM head: the model's dtype (default), or "
-                        "quantized to int8 or int4 (chapter 09's quantize_lm_head)")
+                        "quantized to int8 or int4 (chapter 09's quantize_lm_head). Several: "
+                        "each int4 system runs once per head, side by side, as SYSTEM:HEAD")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1,
@@ -112,6 +114,13 @@ def parse_args(argv=None):
         p.error("need 1 <= --min-len <= --max-len")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    heads = list(dict.fromkeys(args.int4_lm_head))
+    if len(heads) > 1:                 # an A/B of the heads in one run: SYSTEM:HEAD entries
+        entries = []
+        for s in args.systems:
+            entries += [f"{s}:{h}" for h in heads] if s.startswith("minillm_int4") else [s]
+        args.systems = entries
+    args.int4_lm_head = heads[0]
     return args
 
 
@@ -325,6 +334,10 @@ RUNNERS = {"hf_static": lambda m, h, p, o, a: run_hf_static(h, p, o, a),
 
 
 def timed(system, mini, hf, prompts, outputs, args):
+    """One run of `system` (a SYSTEMS name, or SYSTEM:HEAD for an int4 system's LM head)."""
+    system, _, head = system.partition(":")
+    if head:
+        args = argparse.Namespace(**{**vars(args), "int4_lm_head": head})
     sync(args.device)
     t0 = time.perf_counter()
     try:

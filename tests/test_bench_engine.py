@@ -180,3 +180,19 @@ def test_default_systems_follow_the_device():
     cuda = bench.DEFAULTS["cuda"]["systems"]
     assert "minillm_graphs" in cuda and "minillm_nn_linear" not in cuda
     assert set(cuda) <= set(bench.SYSTEMS)
+
+
+def test_several_lm_heads_run_each_int4_system_once_per_head(monkeypatch):
+    """--int4-lm-head int4 model: SYSTEM:HEAD entries, each run with its own head."""
+    bench = load("bench_engine")
+    args = bench.parse_args(["--systems", "llama_cpp", "minillm_int4_graphs",
+                             "--int4-lm-head", "int4", "model"])
+    assert args.systems == ["llama_cpp", "minillm_int4_graphs:int4", "minillm_int4_graphs:model"]
+    heads = []
+    monkeypatch.setitem(bench.RUNNERS, "minillm_int4_graphs",
+                        lambda m, h, p, o, a: (heads.append(a.int4_lm_head) or [], {}))
+    for system in args.systems[1:]:
+        bench.timed(system, None, None, [], [], args)
+    assert heads == ["int4", "model"]
+    one = bench.parse_args(["--systems", "minillm_int4", "--int4-lm-head", "int8"])
+    assert one.systems == ["minillm_int4"] and one.int4_lm_head == "int8"
