@@ -500,7 +500,7 @@ def plot(record, path):
                   if record.get("repeats", 1) > 1 else "output tokens / s")
     w = record["workload"]
     ax.set_title(f"{record['device_name']}, {record['dtype']}: {w['num_requests']} requests, "
-                 f"lengths {w['min_len']}..{w['max_len']}", fontsize=9)
+                 f"lengths {w['min_len']}..{w['max_len']}", fontsize=9, wrap=True)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
