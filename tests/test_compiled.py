@@ -389,3 +389,28 @@ def test_products_are_named_by_place_and_the_model_still_pickles():
     assert len(names) == 9 and all(k == v for k, v in names.items())
     copy = pickle.loads(pickle.dumps(model))            # torch.save, worker processes
     assert copy.layers[1].mlp.down_proj.opaque_name == "layers.1.mlp.down_proj"
+
+
+@needs_cxx
+@pytest.mark.parametrize("traced", [True, False])
+def test_compiled_step_with_int4_products_equals_its_eager_engine(monkeypatch, traced):
+    """int4 layers: the packed kernel called from the graph (`Int4Linear.TRACED`, the default)
+    or the opaque op; either way the eager engine's tokens on the same int4 model, and the
+    profile shows which (the opaque op is never called for a traced decode step)."""
+    from minillm.quant import Int4Linear
+    monkeypatch.setattr(Int4Linear, "TRACED", traced)
+    model = quantize_model(tiny(), "int4")
+    prompts, max_tokens = workload(5, seed=6)
+    kw = dict(num_kv_blocks=100, block_size=4, max_num_seqs=4)
+    eager = run_engine(LLMEngine(model, None, **kw), prompts, max_tokens)
+    engine = LLMEngine(model, None, enforce_eager=False, **kw)
+    ran = counting(engine.runner.graphs)
+    assert run_engine(engine, prompts, max_tokens) == eager and sum(ran) > 0
+    assert engine.runner.graphs.disabled is None
+    decode = decode_engine(model, 2, 6, max_new_tokens=8, enforce_eager=False)
+    decode.step()                                                     # compiles
+    with torch.profiler.profile() as prof:
+        decode.step()
+    names = {e.name for e in prof.events()}
+    assert "aten::_weight_int4pack_mm_for_cpu" in names
+    assert ("minillm::product" in names) != traced

@@ -19,8 +19,11 @@ loops. Two things it must not trace into:
   into the graph as a constant (`freezing`, one graph per model). So that product is ONE op,
   `minillm::packed_product(x, packed, w, bias, mkl)` (model.py), the packed copy an input of the
   graph; the rest (the swapped product, F.linear) becomes plain library calls from the graph.
-  `quant.QuantLinear`'s int8/int4 kernels stay opaque whole: `minillm::product(x, name)`, whose
+  `quant.QuantLinear`'s int8 kernels stay opaque whole: `minillm::product(x, name)`, whose
   body is the layer's own eager forward (as every product was before: `Linear.TRACED = False`).
+  An int4 layer's packed kernel is one aten op the graph calls itself, its casts to bf16 and
+  back fused with the ops around it (`Int4Linear.TRACED`); where the layer would expand its
+  weight (long prefills on a CPU without native bf16) it takes the opaque op too.
 
 So the whole forward is one graph: embedding, rope lookup, 30 x (norm, [product], rope,
 [attention], [product], residual, norm, [product], SiLU * up, [product], residual), norm,
@@ -272,10 +275,12 @@ CPP_WRAPPER = False
 
 
 def _switches() -> tuple:
-    """The switches every trace reads: model.Linear's class switches and CPP_WRAPPER."""
+    """The switches every trace reads: model.Linear's class switches, Int4Linear.TRACED and
+    CPP_WRAPPER."""
     from ..model import Linear
+    from ..quant.linear import Int4Linear
     return (Linear.TRACED, Linear.PREPACK, Linear.MKL, Linear.SKINNY_ROWS, Linear.FEW_ROWS,
-            CPP_WRAPPER)
+            Int4Linear.TRACED, CPP_WRAPPER)
 
 
 def _compile(fn, model_guards: bool = False, cpp_wrapper: bool = False):

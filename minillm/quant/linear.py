@@ -31,8 +31,6 @@ interpreter; `set_impl(model, ...)` sets every quantized layer of a model).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -59,9 +57,13 @@ def int4_linear_ref(x, q, scale, zero, bias=None):
 IMPLS = (None, "packed", "triton", "reference")
 
 
-@functools.lru_cache(maxsize=None)
-def _native_bf16() -> bool:                      # asked once: Int8Linear asks on every call
-    return cpu_has_native_bf16()
+# Asked once, at import: the layers ask on every call, and a compiled step's trace reads a
+# constant (Dynamo will not trace torch.cpu's own query: the graph would break there).
+_NATIVE_BF16 = cpu_has_native_bf16()
+
+
+def _native_bf16() -> bool:
+    return _NATIVE_BF16
 
 
 def _packed_kernels_here(device) -> bool:
@@ -74,6 +76,7 @@ class QuantLinear(nn.Module):
     gpu_impl = "reference"                                   # a format with a GPU kernel says so
     opaque_name = None                                       # what a compiled step calls
                                                              # this layer (engine/compiled.py)
+    TRACED = False                                           # a compiled step traces `traced`
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -98,7 +101,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x):                                    # x [..., K] -> [..., N]
         if torch.compiler.is_compiling() and self.opaque_name is not None:   # a compiled step:
-            return torch.ops.minillm.product(x, self.opaque_name)     # engine/compiled.py
+            out = self.traced(x) if self.TRACED else None             # engine/compiled.py
+            return torch.ops.minillm.product(x, self.opaque_name) if out is None else out
         flat = x.reshape(-1, self.in_features)               # [M, K]
         impl = self.choose_impl(flat.device)
         if impl == "reference":
@@ -111,6 +115,11 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 out = out + self.bias.to(x.dtype)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def traced(self, x):
+        """What a compiled step traces instead of the opaque op, or None for the opaque op (the
+        layer's eager forward, called from the graph). A format that can be traced says how."""
+        return None
 
     def triton_kernel(self, x):
         raise ValueError(f"{type(self).__name__} has no Triton kernel: use impl='reference' "
@@ -273,6 +282,22 @@ class Int4Linear(QuantLinear):
         if self.expands(x.shape[0]):
             return self.expanded_product(x)
         return self.packed_product(x)
+
+    # A compiled step (engine/compiled.py) calls aten's int4 kernel from its graph, the casts
+    # to bf16 and back fused into the ops around it, instead of the opaque op whose eager body
+    # dispatches reshape, casts and the call one by one for each of the 121 products of a step.
+    TRACED = True
+
+    def traced(self, x):                                     # x [..., K] -> [..., N]
+        """The packed kernel's call for a compiled step; None (the opaque op: the eager
+        numbers of the expansion) where the layer would expand, or has no packed weight."""
+        flat = x.reshape(-1, self.in_features)
+        if self.choose_impl(flat.device) != "packed" or self.expands(flat.shape[0]):
+            return None
+        out = self.packed_product(flat).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
 
     def packed_product(self, x):                             # x [M, K] -> [M, N] bf16
         """aten's int4 CPU kernel on the packed weight (bf16 activations)."""
